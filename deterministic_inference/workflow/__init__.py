@@ -1,0 +1,1 @@
+"""Provenance workflow: manifest -> lock -> run -> bundle -> verify (see docs in each module)."""

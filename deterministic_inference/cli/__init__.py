@@ -1,0 +1,1 @@
+"""`detinf` command-line interface: thin commands that delegate to the package modules."""

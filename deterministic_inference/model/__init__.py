@@ -1,0 +1,1 @@
+"""Model loading (GGUF, HF directories), tokenizer and chat template, and architectures."""

@@ -1,0 +1,143 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2, Qwen3).
+
+Qwen2 adds biases to the q/k/v projections; Qwen3 adds an RMSNorm over each head of q and k before the
+rotary embedding. Everything else is the shared pre-norm block. All state arrives as arguments (the KV
+caches and attention metadata), never through a global.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.ops.activation import silu_mul
+from deterministic_inference.ops.attention import AttentionMetadata, paged_attention, write_kv
+from deterministic_inference.ops.linear import Linear
+from deterministic_inference.ops.norm import rms_norm
+from deterministic_inference.ops.rope import RotaryTable
+
+# layer_hook(layer_index, hidden): called with [T, hidden] after each block and (index L) after the final norm
+LayerHook = Callable[[int, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How the ops compute: dtype, invariance switch, GEMM row tile and attention key tile."""
+
+    dtype: torch.dtype
+    batch_invariant: bool
+    tile_rows: int
+    kv_tile: int
+
+
+class DecoderLayer:
+    """One pre-norm transformer block: attention then gated MLP, each with a residual add."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], index: int, numerics: Numerics):
+        prefix = f"model.layers.{index}."
+        self.spec = spec
+        self.numerics = numerics
+
+        def weight(name: str) -> torch.Tensor:
+            return weights[prefix + name].to(numerics.dtype)
+
+        def linear(w: torch.Tensor, b: torch.Tensor | None = None) -> Linear:
+            return Linear(w, b, tile_rows=numerics.tile_rows, batch_invariant=numerics.batch_invariant)
+
+        names = ("q_proj", "k_proj", "v_proj")
+        qkv_weight = torch.cat([weight(f"self_attn.{name}.weight") for name in names])
+        qkv_bias = None
+        if spec.attention_bias:
+            qkv_bias = torch.cat([weight(f"self_attn.{name}.bias") for name in names])
+        self.qkv = linear(qkv_weight, qkv_bias)  # [(H + 2*KVH) * D, hidden]
+        self.o_proj = linear(weight("self_attn.o_proj.weight"))
+        self.gate_up = linear(torch.cat([weight("mlp.gate_proj.weight"), weight("mlp.up_proj.weight")]))
+        self.down = linear(weight("mlp.down_proj.weight"))
+        self.input_norm = weight("input_layernorm.weight")
+        self.post_attention_norm = weight("post_attention_layernorm.weight")
+        self.q_norm = weight("self_attn.q_norm.weight") if spec.qk_norm else None
+        self.k_norm = weight("self_attn.k_norm.weight") if spec.qk_norm else None
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        rotary: RotaryTable,
+    ) -> torch.Tensor:
+        spec, numerics = self.spec, self.numerics
+        tokens = hidden.shape[0]
+        normed = rms_norm(hidden, self.input_norm, spec.rms_norm_eps)
+        qkv = self.qkv(normed)  # [T, (H + 2*KVH) * D]
+        q_size = spec.num_heads * spec.head_dim
+        kv_size = spec.num_kv_heads * spec.head_dim
+        q = qkv[:, :q_size].reshape(tokens, spec.num_heads, spec.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].reshape(tokens, spec.num_kv_heads, spec.head_dim)
+        v = qkv[:, q_size + kv_size :].reshape(tokens, spec.num_kv_heads, spec.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = rms_norm(q, self.q_norm, spec.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, spec.rms_norm_eps)
+        q = rotary.apply(q, positions)
+        k = rotary.apply(k, positions)
+        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        attended = paged_attention(
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            meta,
+            scale=spec.head_dim**-0.5,
+            kv_tile=numerics.kv_tile,
+            tile_rows=numerics.tile_rows,
+            batch_invariant=numerics.batch_invariant,
+        )  # [T, H, D]
+        hidden = hidden + self.o_proj(attended.reshape(tokens, q_size))
+        normed = rms_norm(hidden, self.post_attention_norm, spec.rms_norm_eps)
+        gate_up = self.gate_up(normed)  # [T, 2 * inter]
+        inter = spec.intermediate_size
+        return hidden + self.down(silu_mul(gate_up[:, :inter], gate_up[:, inter:]))
+
+
+class DecoderModel:
+    """Embedding, decoder layers, final norm and the fp32 logits head of a Llama-family model."""
+
+    def __init__(
+        self, spec: ModelSpec, weights: dict[str, torch.Tensor], numerics: Numerics, max_positions: int
+    ):
+        self.spec = spec
+        self.numerics = numerics
+        self.embed = weights["model.embed_tokens.weight"].to(numerics.dtype)  # [vocab, hidden]
+        self.layers = [DecoderLayer(spec, weights, i, numerics) for i in range(spec.num_layers)]
+        self.final_norm = weights["model.norm.weight"].to(numerics.dtype)
+        head = weights["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
+        # Logits in fp32 whatever the model dtype: the head weight is kept in fp32.
+        self.lm_head = Linear(
+            head.float(), None, tile_rows=numerics.tile_rows, batch_invariant=numerics.batch_invariant
+        )
+        self.rotary = RotaryTable(spec.head_dim, spec.rope_theta, max_positions, spec.rope_scaling)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        layer_hook: LayerHook | None = None,
+    ) -> torch.Tensor:
+        """-> final-normed hidden states [T, hidden] in the model dtype."""
+        hidden = self.embed[input_ids]  # [T, hidden]
+        for index, layer in enumerate(self.layers):
+            hidden = layer(hidden, positions, meta, kv_caches[index], self.rotary)
+            if layer_hook is not None:
+                layer_hook(index, hidden)
+        hidden = rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps)
+        if layer_hook is not None:
+            layer_hook(len(self.layers), hidden)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [R, hidden] -> fp32 logits [R, vocab]; row-invariant (padded GEMM in fp32)."""
+        return self.lm_head(hidden.float())

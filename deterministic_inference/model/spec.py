@@ -1,0 +1,62 @@
+"""Architecture hyper-parameters shared by every loader and every architecture implementation.
+
+A loader turns a GGUF file or an HF directory into a `ModelSpec` plus a dict of tensors named with
+Hugging Face (Llama-style) parameter names, so the architectures never see file formats:
+
+    model.embed_tokens.weight                      [vocab, hidden]
+    model.layers.{i}.input_layernorm.weight        [hidden]
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight   q: [heads*head_dim, hidden], k/v: [kv_heads*head_dim, hidden],
+                                                       o: [hidden, heads*head_dim]
+    model.layers.{i}.self_attn.{q,k,v}_proj.bias   (qwen2 only)
+    model.layers.{i}.self_attn.{q,k}_norm.weight   [head_dim] (qwen3 only)
+    model.layers.{i}.post_attention_layernorm.weight   [hidden]
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight    gate/up: [inter, hidden], down: [hidden, inter]
+    model.norm.weight                              [hidden]
+    lm_head.weight                                 [vocab, hidden] (absent when tie_word_embeddings)
+
+Q/K weights are in HF layout: rotary embedding applied as rotate-half (NeoX style) pairs (i, i + d/2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style rope frequency scaling (rope_type "llama3"); None on the spec means plain RoPE."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Hyper-parameters of a decoder-only transformer of the Llama family."""
+
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # q/k/v projections carry a bias (qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (qwen3)
+    rope_scaling: RopeScaling | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (grouped-query attention)."""
+        return self.num_heads // self.num_kv_heads

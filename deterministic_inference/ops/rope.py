@@ -1,0 +1,55 @@
+"""Rotary position embedding by table lookup (rotate-half / NeoX layout, as HF Llama and Qwen)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from deterministic_inference.model.spec import RopeScaling
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies, with Llama-3 scaling when given (same formula as HF)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryTable:
+    """cos/sin for every position up to `max_positions`, computed once in fp32.
+
+    Why invariant: a token's rotation is read from the table by its absolute position, so it cannot
+    depend on the batch, the chunk it arrives in, or whether it is computed in prefill or decode.
+    """
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None) -> None:
+        inv_freq = inverse_frequencies(head_dim, theta, scaling)  # [D/2]
+        positions = torch.arange(max_positions, dtype=torch.int64).float()  # [P]
+        freqs = torch.outer(positions, inv_freq)  # [P, D/2]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.cos = angles.cos()  # [P, D] fp32
+        self.sin = angles.sin()  # [P, D] fp32
+        self.max_positions = max_positions
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] (any float dtype), positions: [T] int64 -> [T, heads, D] in x's dtype.
+
+        Computed in fp32 then cast back, matching HF's fp32 rotary tables applied to fp32 inputs.
+        """
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, heads, D]
+        return x * cos + rotated * sin

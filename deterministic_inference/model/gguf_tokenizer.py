@@ -1,0 +1,140 @@
+"""Build a `Tokenizer` from GGUF tokenizer metadata (`tokenizer.ggml.*`).
+
+Supported: `tokenizer.ggml.model == "gpt2"` (byte-level BPE from the token list and merges) with the
+pre-tokenizers named in PRE_TOKENIZERS. SentencePiece ("llama") vocabularies are refused with a clear
+error: load such models from their HF directory instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+from deterministic_inference.errors import ModelLoadError
+from deterministic_inference.model.tokenizer import Tokenizer, end_of_turn_ids
+
+# llama.cpp token types
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+# Split patterns of the tokenizers families, applied before the byte-level mapping.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _gpt2_pre() -> Any:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_gpt2_pre() -> Any:
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_pre()])
+
+
+def _split_pre(pattern: str) -> Callable[[], Any]:
+    def build() -> Any:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+
+    return build
+
+
+PRE_TOKENIZERS: dict[str, Callable[[], Any]] = {
+    "default": _gpt2_pre,
+    "gpt2": _gpt2_pre,
+    "smollm": _digits_then_gpt2_pre,
+    "starcoder": _digits_then_gpt2_pre,
+    "refact": _digits_then_gpt2_pre,
+    "llama-bpe": _split_pre(_LLAMA3_SPLIT),
+    "llama3": _split_pre(_LLAMA3_SPLIT),
+    "qwen2": _split_pre(_QWEN2_SPLIT),
+}
+
+
+def build_gguf_tokenizer(path: Path, meta: dict[str, Any]) -> Tokenizer:
+    """A Tokenizer from the `tokenizer.*` metadata of the GGUF file at `path`."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(
+            f"{path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') vocabularies are "
+            "supported from GGUF. Load the model from its Hugging Face directory instead."
+        )
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise ModelLoadError(
+            f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: "
+            f"{', '.join(sorted(PRE_TOKENIZERS))}). Load the model from its Hugging Face directory instead."
+        )
+    tokens: list[str] = list(_required(path, meta, "tokenizer.ggml.tokens"))
+    merges = [_split_merge(path, m) for m in _required(path, meta, "tokenizer.ggml.merges")]
+    types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise ModelLoadError(
+            f"{path}: tokenizer.ggml.token_type has {len(types)} entries, tokens {len(tokens)}"
+        )
+    backend = _byte_level_bpe(tokens, merges, types, PRE_TOKENIZERS[pre]())
+    template = meta.get("tokenizer.chat_template")
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    for name, value in (("bos", bos), ("eos", eos), ("eot", eot)):
+        if value is not None and not 0 <= int(value) < len(tokens):
+            raise ModelLoadError(f"{path}: tokenizer.ggml.{name}_token_id {value} is outside the vocab")
+    eos_ids = {int(i) for i in (eos, eot) if i is not None}
+    eos_ids |= end_of_turn_ids(backend, template)
+    return Tokenizer(
+        backend,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=sorted(eos_ids),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        chat_template=template,
+    )
+
+
+def _required(path: Path, meta: dict[str, Any], key: str) -> Any:
+    if key not in meta:
+        raise ModelLoadError(f"{path}: GGUF metadata {key} is missing; the file has no usable tokenizer")
+    return meta[key]
+
+
+def _split_merge(path: Path, merge: str) -> tuple[str, str]:
+    left, sep, right = merge.partition(" ")
+    if not sep or not left or not right:
+        raise ModelLoadError(f"{path}: tokenizer.ggml.merges entry {merge!r} is not 'left right'")
+    return left, right
+
+
+def _byte_level_bpe(
+    tokens: list[str], merges: list[tuple[str, str]], types: Sequence[int], pre: Any
+) -> tokenizers.Tokenizer:
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = pre
+    backend.decoder = decoders.ByteLevel()
+    specials = [
+        AddedToken(tokens[i], special=True, normalized=False)
+        for i, kind in enumerate(types)
+        if kind == TOKEN_CONTROL
+    ]
+    user = [
+        AddedToken(tokens[i], special=False, normalized=False)
+        for i, kind in enumerate(types)
+        if kind == TOKEN_USER_DEFINED
+    ]
+    backend.add_special_tokens(specials)
+    backend.add_tokens(user)
+    return backend

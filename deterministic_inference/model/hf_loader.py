@@ -1,0 +1,269 @@
+"""Load a Hugging Face model directory: config.json, *.safetensors, tokenizer.json and friends."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+import torch
+
+from deterministic_inference.errors import ModelLoadError, UnsupportedArchitectureError
+from deterministic_inference.model.spec import SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
+from deterministic_inference.model.tokenizer import Tokenizer, end_of_turn_ids
+
+# model_type / architectures[0] -> our architecture
+_ARCHITECTURES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def read_optional_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`, None when the file does not exist; ModelLoadError when malformed."""
+    if not path.is_file():
+        return None
+    return read_json(path)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; ModelLoadError when it is missing or malformed."""
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: file is missing")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def load_hf(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor], Tokenizer, tuple[Path, ...]]:
+    """(spec, float32 weights, tokenizer, files read) from the HF model directory at `path`."""
+    config_path = path / "config.json"
+    config = read_json(config_path)
+    arch = _architecture(config_path, config)
+    weight_files = _weight_files(path)
+    weights = _load_weights(weight_files)
+    tokenizer, tokenizer_files = _load_tokenizer(path, config)
+    spec = _spec(config_path, config, arch, weights, tokenizer)
+    if spec.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in weights:
+        raise ModelLoadError(
+            f"{path}: lm_head.weight is missing and config.json says tie_word_embeddings is false"
+        )
+    artifacts = (config_path, *weight_files, *tokenizer_files)
+    return spec, weights, tokenizer, tuple(sorted(set(artifacts)))
+
+
+def _architecture(config_path: Path, config: dict[str, Any]) -> str:
+    names = [config.get("model_type"), *(config.get("architectures") or [])]
+    for name in names:
+        if isinstance(name, str) and name in _ARCHITECTURES:
+            return _ARCHITECTURES[name]
+    shown = config.get("model_type") or (config.get("architectures") or [None])[0]
+    raise UnsupportedArchitectureError(
+        f"{config_path}: architecture {shown!r} is not supported; supported: "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)} (HF model types: llama, mistral, qwen2, qwen3)"
+    )
+
+
+def _field(config_path: Path, config: dict[str, Any], key: str, default: Any = None) -> Any:
+    value = config.get(key, default)
+    if value is None:
+        raise ModelLoadError(f"{config_path}: field {key} is missing")
+    return value
+
+
+def _rope(config_path: Path, config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """rope_theta and scaling, from transformers-5 `rope_parameters` or older top-level keys."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or params
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind in (None, "default"):
+        return theta, None
+    if kind != "llama3":
+        raise ModelLoadError(
+            f"{config_path}: rope scaling type {kind!r} is not supported (supported: default, llama3)"
+        )
+    try:
+        return theta, RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{config_path}: llama3 rope scaling is incomplete: {exc}") from exc
+
+
+def _check_sliding_window(config_path: Path, config: dict[str, Any], max_positions: int) -> None:
+    window = config.get("sliding_window")
+    uses_window = config.get("use_sliding_window", config.get("model_type") == "mistral")
+    if uses_window and isinstance(window, int) and window < max_positions:
+        raise ModelLoadError(
+            f"{config_path}: sliding_window={window} is smaller than max_position_embeddings="
+            f"{max_positions}; sliding-window attention is not supported"
+        )
+
+
+def _spec(
+    config_path: Path,
+    config: dict[str, Any],
+    arch: str,
+    weights: dict[str, torch.Tensor],
+    tokenizer: Tokenizer,
+) -> ModelSpec:
+    try:
+        hidden = int(_field(config_path, config, "hidden_size"))
+        heads = int(_field(config_path, config, "num_attention_heads"))
+        max_positions = int(_field(config_path, config, "max_position_embeddings"))
+        theta, scaling = _rope(config_path, config)
+        _check_sliding_window(config_path, config, max_positions)
+        return ModelSpec(
+            architecture=arch,
+            vocab_size=int(_field(config_path, config, "vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(_field(config_path, config, "intermediate_size")),
+            num_layers=int(_field(config_path, config, "num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", "lm_head.weight" not in weights)),
+            attention_bias="model.layers.0.self_attn.q_proj.bias" in weights,
+            qk_norm="model.layers.0.self_attn.q_norm.weight" in weights,
+            rope_scaling=scaling,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_ids=tokenizer.eos_token_ids,
+        )
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        raise ModelLoadError(f"{config_path}: invalid hyper-parameter: {exc}") from exc
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index_path = path / "model.safetensors.index.json"
+    index = read_optional_json(index_path)
+    if index is not None:
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index_path}: weight_map is missing or empty")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index_path}: shard files are missing: {', '.join(missing)}")
+        return [index_path, *files]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights (other formats are not supported)")
+    return files
+
+
+def _load_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    """All tensors as float32 contiguous CPU tensors; `model.` prefix added where a checkpoint omits it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        if file.suffix != ".safetensors":
+            continue
+        try:
+            tensors = load_file(str(file), device="cpu")
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelLoadError(f"{file}: not a readable safetensors file: {exc}") from exc
+        for name, tensor in tensors.items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name.startswith(("layers.", "embed_tokens.", "norm.")):
+                name = "model." + name
+            weights[name] = tensor.to(torch.float32).contiguous()
+    return weights
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _template(path: Path, tok_config: dict[str, Any]) -> tuple[str | None, list[Path]]:
+    jinja_path = path / "chat_template.jinja"
+    if jinja_path.is_file():
+        return jinja_path.read_text(encoding="utf-8"), [jinja_path]
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):  # named templates: use "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return (template if isinstance(template, str) else None), []
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+def _load_tokenizer(path: Path, config: dict[str, Any]) -> tuple[Tokenizer, list[Path]]:
+    tok_path = path / "tokenizer.json"
+    if not tok_path.is_file():
+        raise ModelLoadError(f"{tok_path}: file is missing; a tokenizer.json (fast tokenizer) is required")
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(tok_path))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+        raise ModelLoadError(f"{tok_path}: not a valid tokenizer.json: {exc}") from exc
+    files = [tok_path]
+    tok_config_path = path / "tokenizer_config.json"
+    tok_config = read_optional_json(tok_config_path) or {}
+    if tok_config_path.is_file():
+        files.append(tok_config_path)
+    gen_path = path / "generation_config.json"
+    gen_config = read_optional_json(gen_path) or {}
+    if gen_path.is_file():
+        files.append(gen_path)
+    template, template_files = _template(path, tok_config)
+    files += template_files
+
+    bos_text = _token_text(tok_config.get("bos_token"))
+    bos = backend.token_to_id(bos_text) if bos_text else None
+    if bos is None:
+        bos = next(iter(_ids(config.get("bos_token_id"))), None)
+    eos_ids = set(_ids(gen_config.get("eos_token_id")) or _ids(config.get("eos_token_id")))
+    eos_text = _token_text(tok_config.get("eos_token"))
+    eos_from_text = backend.token_to_id(eos_text) if eos_text else None
+    if eos_from_text is not None:
+        eos_ids.add(int(eos_from_text))
+    eos_ids |= end_of_turn_ids(backend, template)
+    add_bos = tok_config.get("add_bos_token")
+    if add_bos is None:
+        add_bos = _post_processor_adds(backend, bos)
+    tokenizer = Tokenizer(
+        backend,
+        bos_token_id=bos,
+        eos_token_ids=sorted(eos_ids),
+        add_bos=bool(add_bos),
+        chat_template=template,
+    )
+    return tokenizer, files
+
+
+def _post_processor_adds(backend: tokenizers.Tokenizer, bos: int | None) -> bool:
+    """Whether tokenizer.json's own post-processor prepends BOS (e.g. Llama 3 TemplateProcessing)."""
+    if bos is None:
+        return False
+    ids = backend.encode("a", add_special_tokens=True).ids
+    return bool(ids) and ids[0] == bos

@@ -1,0 +1,111 @@
+"""`load_model`: one entry point for GGUF files, HF directories and the embedded default model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deterministic_inference.errors import ModelLoadError
+from deterministic_inference.model.default_model import DEFAULT_MODEL_NAME, default_model_path
+from deterministic_inference.model.gguf_loader import is_gguf_file, load_gguf
+from deterministic_inference.model.hf_loader import load_hf
+from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for an architecture: hyper-parameters, float32 weights, tokenizer, provenance."""
+
+    spec: ModelSpec
+    weights: dict[str, torch.Tensor]  # HF Llama-style names (see spec.py), float32, CPU, contiguous
+    tokenizer: Tokenizer
+    artifacts: tuple[Path, ...]  # every file read (weights, tokenizer, config), for digests
+    source: str  # "gguf" or "hf"
+    name: str  # default served model name
+
+
+def load_model(path: str | None) -> LoadedModel:
+    """Load a GGUF file or HF directory (None = the embedded default model).
+
+    The result depends only on the files' bytes: dequantisation and layout changes are exact."""
+    if path is None:
+        gguf_path = default_model_path()
+        spec, weights, tokenizer, _ = load_gguf(gguf_path)
+        return _checked(LoadedModel(spec, weights, tokenizer, (gguf_path,), "gguf", DEFAULT_MODEL_NAME))
+    target = Path(path).expanduser()
+    if target.is_dir():
+        spec, weights, tokenizer, artifacts = load_hf(target)
+        return _checked(LoadedModel(spec, weights, tokenizer, artifacts, "hf", target.resolve().name))
+    if not target.exists():
+        raise ModelLoadError(
+            f"{target}: no such file or directory (expected a .gguf file or an HF directory)"
+        )
+    if not is_gguf_file(target):
+        raise ModelLoadError(
+            f"{target}: not a GGUF file (no GGUF magic bytes) and not a directory; pass a .gguf file "
+            "or a Hugging Face model directory"
+        )
+    spec, weights, tokenizer, name = load_gguf(target)
+    return _checked(LoadedModel(spec, weights, tokenizer, (target,), "gguf", name))
+
+
+def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every weight an architecture needs for `spec`, with its shape."""
+    q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size),
+        "model.norm.weight": (spec.hidden_size,),
+    }
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (spec.hidden_size,)
+        shapes[p + "post_attention_layernorm.weight"] = (spec.hidden_size,)
+        shapes[p + "self_attn.q_proj.weight"] = (q_rows, spec.hidden_size)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_rows, spec.hidden_size)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_rows, spec.hidden_size)
+        shapes[p + "self_attn.o_proj.weight"] = (spec.hidden_size, q_rows)
+        shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, spec.hidden_size)
+        shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, spec.hidden_size)
+        shapes[p + "mlp.down_proj.weight"] = (spec.hidden_size, spec.intermediate_size)
+        if spec.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q_rows,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv_rows,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv_rows,)
+        if spec.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (spec.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (spec.head_dim,)
+    return shapes
+
+
+def _checked(model: LoadedModel) -> LoadedModel:
+    """ModelLoadError unless the weights are exactly the set the spec needs, with the right shapes."""
+    where = model.artifacts[0].parent if model.source == "hf" else model.artifacts[0]
+    spec = model.spec
+    if spec.num_heads % spec.num_kv_heads != 0:
+        raise ModelLoadError(
+            f"{where}: {spec.num_heads} heads is not a multiple of {spec.num_kv_heads} kv heads"
+        )
+    expected = expected_shapes(spec)
+    missing = sorted(set(expected) - set(model.weights))
+    extra = sorted(set(model.weights) - set(expected))
+    if missing or extra:
+        raise ModelLoadError(
+            f"{where}: weights do not match a {spec.architecture} model: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}"
+        )
+    for name, shape in expected.items():
+        if tuple(model.weights[name].shape) != shape:
+            raise ModelLoadError(
+                f"{where}: weight {name} has shape {tuple(model.weights[name].shape)}, expected {shape}"
+            )
+    if model.tokenizer.vocab_size > spec.vocab_size:
+        raise ModelLoadError(
+            f"{where}: the tokenizer has {model.tokenizer.vocab_size} tokens but the model only "
+            f"{spec.vocab_size} embeddings"
+        )
+    return model

@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny random models built once per test session (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tiny_models import TinyModel, build_hf_model, write_gguf
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """Tiny random Llama HF directory (tied embeddings, BOS added, ChatML template)."""
+    return build_hf_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """Tiny random Qwen2 HF directory (q/k/v biases, untied lm_head)."""
+    return build_hf_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """Tiny random Qwen3 HF directory (q/k norms, tied embeddings)."""
+    return build_hf_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf(tiny_llama_dir: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """The tiny Llama written as an F32 GGUF file (q/k permuted like llama.cpp's converter)."""
+    return write_gguf(tiny_llama_dir, tmp_path_factory.mktemp("tiny-gguf") / "tiny-llama.F32.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf_q8(tiny_llama_dir: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """The tiny Llama as a Q8_0 GGUF file (2-D weights quantised, norms F32)."""
+    path = tmp_path_factory.mktemp("tiny-gguf-q8") / "tiny-llama.Q8_0.gguf"
+    return write_gguf(tiny_llama_dir, path, quant="Q8_0")

@@ -1,0 +1,207 @@
+"""Continuous-batching scheduler: which sequences run each step and how many tokens each.
+
+Every step (`schedule`) spends a token budget of `max_num_batched_tokens`:
+
+1. RUNNING sequences first, in arrival order. Each computes its not-yet-computed known tokens (one token,
+   the last sampled one, for a decode; the rest of its prompt for a chunked prefill), cut to the budget
+   left. When the KV pool cannot hold a running sequence's new tokens, the LATEST-arrived running
+   sequence is preempted (blocks freed, `reset_for_recompute`, back into the waiting queue by arrival)
+   and the allocation retried; a sequence may preempt itself, which ends this phase.
+2. Then, unless something was preempted this step, WAITING and PREEMPTED sequences in arrival order
+   while fewer than `max_num_seqs` run: the prefix-cache hit is taken without spending budget (the last
+   known token is always recomputed), the rest is chunked to the budget left. A sequence that does not
+   fit the KV pool blocks those behind it (strict FCFS).
+
+A preempted sequence recomputes prompt + outputs as its "prompt"; its chunks are not sampled until all
+its known tokens are computed (`ScheduledChunk.sample`). The plan's chunks are ordered by arrival.
+
+Deterministic: the only inputs are the calls made on it; queues are lists kept sorted by arrival
+number; no wall clock, no set or dict iteration. Every `schedule()` must be followed by `update()` with
+its plan before the next `schedule()`.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from deterministic_inference.engine.kv_cache import KVCacheManager
+from deterministic_inference.engine.plan import ScheduledChunk, StepPlan
+from deterministic_inference.engine.request import Request, RequestStatus
+from deterministic_inference.errors import ConfigError, InvalidRequestError
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill, prefix-cache reuse and preemption by recompute."""
+
+    def __init__(
+        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    ) -> None:
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}: {value!r} must be a positive integer")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.step = 0  # id of the next plan; the engine's logical clock
+        self._next_arrival = 0
+        self._requests: dict[str, Request] = {}  # unfinished sequences by id (lookups only)
+        self._waiting: list[Request] = []  # WAITING and PREEMPTED, sorted by arrival
+        self._running: list[Request] = []  # RUNNING, sorted by arrival
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def get(self, request_id: str) -> Request | None:
+        """The unfinished sequence with this id, or None."""
+        return self._requests.get(request_id)
+
+    def add(self, request: Request) -> None:
+        """Queue a new sequence (FCFS); assigns its arrival number. Raises InvalidRequestError when its
+        id is already queued or its prompt cannot fit max_model_len or the KV pool."""
+        if request.request_id in self._requests:
+            raise InvalidRequestError(
+                f"request_id: {request.request_id!r} is already queued", param="request_id"
+            )
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt: {request.num_prompt_tokens} tokens leave no room to generate within "
+                f"max_model_len {self.max_model_len}; shorten the prompt",
+                param="prompt",
+            )
+        # The last generated token's KV is never written, hence the - 1. Rejecting here guarantees that a
+        # sequence running alone always fits the pool, so preemption can never loop forever.
+        longest = min(request.num_prompt_tokens + request.params.max_tokens - 1, self.max_model_len)
+        if -(-longest // self.kv.block_size) > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"max_tokens: prompt + max_tokens ({longest} tokens of KV) exceed the KV pool "
+                f"({self.kv.num_blocks} blocks of {self.kv.block_size}); lower max_tokens or shorten the "
+                "prompt, or raise num_kv_blocks",
+                param="max_tokens",
+            )
+        request.arrival = self._next_arrival
+        self._next_arrival += 1
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self._waiting.append(request)  # newest arrival: stays sorted
+
+    def abort(self, request_id: str) -> None:
+        """Stop a sequence now: free its blocks, status FINISHED_ABORTED. Unknown ids are ignored."""
+        self.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish(self, request_id: str, status: RequestStatus) -> None:
+        """End a sequence with a finished `status` and free its KV blocks. Unknown ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"status: {status.name} is not a finished status")
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        queue = self._running if request.status == RequestStatus.RUNNING else self._waiting
+        queue.remove(request)
+        self.kv.free(request)
+        request.status = status
+
+    def schedule(self) -> StepPlan:
+        """The next step's plan (see the module docstring for the policy)."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(budget, scheduled, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        scheduled.sort(key=lambda item: item[0].arrival)
+        plan = StepPlan(
+            step_id=self.step,
+            chunks=tuple(self._chunk(request, count) for request, count in scheduled),
+            preempted_ids=tuple(preempted),
+        )
+        self.step += 1
+        return plan
+
+    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
+        """Apply a computed plan: advance each chunk's sequence, append the token sampled for chunks with
+        `sample`, register newly full KV blocks. Returns the sequences that got a token, in plan order.
+        Sequences finished or aborted since `schedule()` are skipped."""
+        changed = []
+        for chunk in plan.chunks:
+            request = self._requests.get(chunk.request_id)
+            if request is None or request.num_computed_tokens != chunk.start_position:
+                continue
+            request.num_computed_tokens += len(chunk.token_ids)
+            if chunk.sample:
+                if chunk.request_id not in sampled:
+                    raise KeyError(f"update: no sampled token for {chunk.request_id!r}, whose chunk samples")
+                request.output_token_ids.append(sampled[chunk.request_id])
+                changed.append(request)
+            self.kv.commit_full_blocks(request)
+        return changed
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _schedule_running(
+        self, budget: int, scheduled: list[tuple[Request, int]], preempted: list[str]
+    ) -> int:
+        index = 0
+        while index < len(self._running) and budget > 0:
+            request = self._running[index]
+            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request, count):
+                victim = self._running[-1]  # latest arrival; never one already scheduled (earlier)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    return budget
+            scheduled.append((request, count))
+            budget -= count
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
+        while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
+            request = self._waiting[0]
+            cached = self.kv.get_computed_prefix(request)
+            count = min(request.num_tokens - cached, budget)
+            if not self.kv.allocate(request, count):
+                return
+            self._waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            _insort(self._running, request)
+            scheduled.append((request, count))
+            budget -= count
+
+    def _preempt(self, request: Request) -> None:
+        self._running.remove(request)
+        self.kv.free(request)
+        request.reset_for_recompute()
+        _insort(self._waiting, request)
+
+    def _chunk(self, request: Request, count: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        end = start + count
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=tuple(request.all_token_ids[start:end]),
+            start_position=start,
+            block_ids=tuple(request.block_ids),
+            sample=end == request.num_tokens,
+            all_logits=request.params.prompt_logprobs is not None and start < request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+
+def _insort(queue: list[Request], request: Request) -> None:
+    """Insert keeping the queue sorted by arrival number."""
+    bisect.insort(queue, request, key=lambda r: r.arrival)

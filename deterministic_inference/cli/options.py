@@ -1,0 +1,40 @@
+"""CLI options defined once and shared by the commands that build an engine (generate, serve, ...)."""
+
+from __future__ import annotations
+
+import argparse
+
+from deterministic_inference.config import DTYPES, EngineConfig
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """Options that map to `EngineConfig` fields."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
+    group.add_argument("--dtype", default="auto", choices=DTYPES, help="weights/activations dtype")
+    group.add_argument("--no-batch-invariant", action="store_true", help="plain torch ops (not reproducible)")
+    group.add_argument("--no-prefix-cache", action="store_true", help="disable automatic prefix caching")
+    group.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    group.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--num-kv-blocks", type=int, default=None)
+    group.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    group.add_argument("--default-seed", type=int, default=0, help="seed of requests that give none")
+    group.add_argument("--no-selfcheck", action="store_true", help="skip the start-up invariance probes")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """An `EngineConfig` from parsed engine options (validation errors name the field)."""
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        batch_invariant=not args.no_batch_invariant,
+        enable_prefix_caching=not args.no_prefix_cache,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+        threads=args.threads,
+        seed=args.default_seed,
+        selfcheck=not args.no_selfcheck,
+    )

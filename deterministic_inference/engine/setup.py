@@ -1,0 +1,58 @@
+"""Engine construction helpers: dtype choice, model build, KV-cache sizing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from deterministic_inference.config import EngineConfig
+from deterministic_inference.model.llama import DecoderModel, Numerics
+from deterministic_inference.model.loader import LoadedModel
+from deterministic_inference.model.spec import ModelSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+DEFAULT_KV_CACHE_BYTES = 2 << 30  # KV memory when num_kv_blocks is not set
+
+
+def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """True when the CPU advertises bf16 arithmetic (AVX512_BF16 or AMX-BF16)."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return False
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+            break
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
+def resolve_dtype(requested: str) -> str:
+    """"auto" -> "bfloat16" on CPUs with native bf16, else "float32"; explicit names pass through."""
+    if requested != "auto":
+        return requested
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
+def build_model(loaded: LoadedModel, config: EngineConfig, dtype_name: str, max_model_len: int) -> DecoderModel:
+    """The decoder with the configured numerics; weights cast from the loader's fp32."""
+    numerics = Numerics(
+        dtype=DTYPES[dtype_name],
+        batch_invariant=config.batch_invariant,
+        tile_rows=config.linear_tile_rows,
+        kv_tile=config.attention_kv_tile,
+    )
+    return DecoderModel(loaded.spec, loaded.weights, numerics, max_model_len)
+
+
+def choose_num_kv_blocks(config: EngineConfig, spec: ModelSpec, max_model_len: int, dtype_name: str) -> int:
+    """Configured block count, else as many as fit DEFAULT_KV_CACHE_BYTES, at least one full context."""
+    one_context = -(-max_model_len // config.kv_block_size) + 1
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    element_bytes = 2 if dtype_name == "bfloat16" else 4
+    per_block = 2 * spec.num_layers * config.kv_block_size * spec.num_kv_heads * spec.head_dim * element_bytes
+    return max(one_context, DEFAULT_KV_CACHE_BYTES // per_block)

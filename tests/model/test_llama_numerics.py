@@ -1,0 +1,79 @@
+"""Numerics of the decoder against transformers: tiny random Llama/Qwen2/Qwen3 (fp32) and SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deterministic_inference.engine.model_runner import ModelRunner
+from deterministic_inference.engine.plan import ScheduledChunk, StepPlan
+from deterministic_inference.model.llama import DecoderModel, Numerics
+from deterministic_inference.model.loader import load_model
+from tests.tiny_models import TinyModel
+
+
+def prefill_logits(model: DecoderModel, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Logits of every position of `token_ids` from one prefill through the paged cache."""
+    num_blocks = -(-len(token_ids) // block_size)
+    runner = ModelRunner(model, num_blocks + 2, block_size)
+    blocks = tuple(range(1, num_blocks + 1))
+    plan = StepPlan(0, (ScheduledChunk("r", tuple(token_ids), 0, blocks, True, True),))
+    logits = runner.execute(plan)[0]
+    assert logits is not None
+    return logits
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_logits_match_transformers(fixture: str, batch_invariant: bool, request: pytest.FixtureRequest) -> None:
+    tiny: TinyModel = request.getfixturevalue(fixture)
+    loaded = load_model(str(tiny.path))
+    model = DecoderModel(loaded.spec, loaded.weights, Numerics(torch.float32, batch_invariant, 8, 32), 512)
+    generator = torch.Generator().manual_seed(1)
+    token_ids = torch.randint(0, loaded.spec.vocab_size, (70,), generator=generator).tolist()
+    ours = prefill_logits(model, token_ids)
+    with torch.no_grad():
+        reference = tiny.model(torch.tensor([token_ids])).logits[0].float()
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_tokens_match_transformers() -> None:
+    """64 greedy steps on the real default model: same tokens as transformers fed the same weights."""
+    import transformers
+
+    from deterministic_inference.config import EngineConfig
+    from deterministic_inference.engine.engine import Engine
+    from deterministic_inference.engine.sampling_params import SamplingParams
+
+    loaded = load_model(None)
+    spec = loaded.spec
+    config = transformers.LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        rms_norm_eps=spec.rms_norm_eps,
+        rope_theta=spec.rope_theta,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+    )
+    reference = transformers.LlamaForCausalLM(config).eval()
+    reference.load_state_dict(loaded.weights, strict=False)
+    reference.tie_weights()
+    engine = Engine(EngineConfig(dtype="float32", selfcheck=False), loaded=loaded)
+    prompts = [
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+        "def fibonacci(n):",
+        "The three primary colors are",
+    ]
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    outputs = engine.generate(prompts, params)
+    for output in outputs:
+        ids = torch.tensor([output.prompt_token_ids])
+        with torch.no_grad():
+            expected = reference.generate(ids, max_new_tokens=64, do_sample=False, min_new_tokens=64)
+        assert output.outputs[0].token_ids == expected[0, ids.shape[1] :].tolist()

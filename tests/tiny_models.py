@@ -171,7 +171,14 @@ def _merges(tokenizer_json: dict[str, Any]) -> list[str]:
     return [m if isinstance(m, str) else f"{m[0]} {m[1]}" for m in merges]
 
 
-def write_gguf(reference: TinyModel, path: Path, quant: str = "F32", add_bos: bool = True) -> TinyModel:
+def write_gguf(
+    reference: TinyModel,
+    path: Path,
+    quant: str = "F32",
+    add_bos: bool = True,
+    tokenizer_model: str = "gpt2",
+    pre: str = "smollm",
+) -> TinyModel:
     """Write the tiny llama `reference` as a GGUF file like llama.cpp's converter would: q/k rows
     permuted, tokenizer metadata ('gpt2' BPE, pre 'smollm'), tensors F32 or Q8_0 (2-D weights only)."""
     import gguf
@@ -190,7 +197,7 @@ def write_gguf(reference: TinyModel, path: Path, quant: str = "F32", add_bos: bo
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_dimension_count(cfg.head_dim)
-    _write_tokenizer(writer, reference.path, add_bos)
+    _write_tokenizer(writer, reference.path, add_bos, tokenizer_model, pre)
     for name, tensor in reference.state_dict.items():
         array = tensor.numpy().astype(np.float32)
         if name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -209,12 +216,12 @@ def write_gguf(reference: TinyModel, path: Path, quant: str = "F32", add_bos: bo
     return TinyModel(path, reference.model, "llama")
 
 
-def _write_tokenizer(writer: Any, hf_dir: Path, add_bos: bool) -> None:
+def _write_tokenizer(writer: Any, hf_dir: Path, add_bos: bool, tokenizer_model: str, pre: str) -> None:
     tok_json = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab: dict[str, int] = tok_json["model"]["vocab"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
     writer.add_token_merges(_merges(tok_json))

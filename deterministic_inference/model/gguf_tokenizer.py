@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from deterministic_inference.errors import ModelLoadError
 from deterministic_inference.model.tokenizer import Tokenizer, end_of_turn_ids
@@ -63,6 +63,12 @@ PRE_TOKENIZERS: dict[str, Callable[[], Any]] = {
 }
 
 
+# Families whose HF tokenizers take a whole word from the vocab before applying merges (Llama 3).
+_IGNORE_MERGES = frozenset({"llama-bpe", "llama3"})
+# Families whose HF tokenizers NFC-normalise the text first (Qwen2).
+_NFC = frozenset({"qwen2"})
+
+
 def build_gguf_tokenizer(path: Path, meta: dict[str, Any]) -> Tokenizer:
     """A Tokenizer from the `tokenizer.*` metadata of the GGUF file at `path`."""
     kind = meta.get("tokenizer.ggml.model")
@@ -84,7 +90,7 @@ def build_gguf_tokenizer(path: Path, meta: dict[str, Any]) -> Tokenizer:
         raise ModelLoadError(
             f"{path}: tokenizer.ggml.token_type has {len(types)} entries, tokens {len(tokens)}"
         )
-    backend = _byte_level_bpe(tokens, merges, types, PRE_TOKENIZERS[pre]())
+    backend = _byte_level_bpe(tokens, merges, types, pre)
     template = meta.get("tokenizer.chat_template")
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -117,13 +123,16 @@ def _split_merge(path: Path, merge: str) -> tuple[str, str]:
 
 
 def _byte_level_bpe(
-    tokens: list[str], merges: list[tuple[str, str]], types: Sequence[int], pre: Any
+    tokens: list[str], merges: list[tuple[str, str]], types: Sequence[int], pre: str
 ) -> tokenizers.Tokenizer:
     vocab: dict[str, int] = {}
     for i, token in enumerate(tokens):
         vocab.setdefault(token, i)
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    backend.pre_tokenizer = pre
+    model = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES)
+    backend = tokenizers.Tokenizer(model)
+    if pre in _NFC:
+        backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = PRE_TOKENIZERS[pre]()
     backend.decoder = decoders.ByteLevel()
     specials = [
         AddedToken(tokens[i], special=True, normalized=False)

@@ -144,3 +144,10 @@ def test_default_model_tokenizer(smollm2: LoadedModel) -> None:
     assert prompt.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
     ids = tok.encode(prompt)
     assert ids.count(1) == 3 and ids.count(2) == 2
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "qwen2"])
+def test_other_pre_tokenizers_round_trip(pre: str, tiny_llama_dir: TinyModel, tmp_path: Path) -> None:
+    loaded = load_model(str(write_gguf(tiny_llama_dir, tmp_path / f"{pre}.gguf", pre=pre).path))
+    for text in TEXTS:
+        assert loaded.tokenizer.decode(loaded.tokenizer.encode(text)) == text

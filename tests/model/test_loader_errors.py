@@ -11,7 +11,7 @@ import pytest
 
 from deterministic_inference.errors import ModelLoadError, UnsupportedArchitectureError
 from deterministic_inference.model.loader import load_model
-from tests.tiny_models import TinyModel
+from tests.tiny_models import TinyModel, write_gguf
 
 
 def _copy(tiny: TinyModel, target: Path) -> Path:
@@ -138,4 +138,16 @@ def test_unsupported_rope_scaling(tiny_llama_dir: TinyModel, tmp_path: Path) -> 
     path = _copy(tiny_llama_dir, tmp_path / "m")
     _edit_config(path, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
     with pytest.raises(ModelLoadError, match="'yarn' is not supported"):
+        load_model(str(path))
+
+
+def test_gguf_sentencepiece_tokenizer_is_refused(tiny_llama_dir: TinyModel, tmp_path: Path) -> None:
+    path = write_gguf(tiny_llama_dir, tmp_path / "spm.gguf", tokenizer_model="llama").path
+    with pytest.raises(ModelLoadError, match="tokenizer.ggml.model is 'llama'.*Hugging Face directory"):
+        load_model(str(path))
+
+
+def test_gguf_unknown_pre_tokenizer_is_refused(tiny_llama_dir: TinyModel, tmp_path: Path) -> None:
+    path = write_gguf(tiny_llama_dir, tmp_path / "pre.gguf", pre="made-up").path
+    with pytest.raises(ModelLoadError, match="tokenizer.ggml.pre 'made-up' is not supported.*smollm"):
         load_model(str(path))

@@ -1,0 +1,290 @@
+"""Token sampling as pure functions of (logits row, params, seed, output position, past tokens).
+
+Row independence. `sample` processes every row on its own 1-D fp32 copy with row-wise ops only (penalty
+gathers, division, log_softmax, softmax, stable sort, cumsum, max): nothing reduces across rows, so a
+row's token and logprob bits do not depend on the other rows, their number or the row's position.
+Thread-count independence: these kernels run a single 1-D row sequentially (torch parallelizes them over
+rows, not within one), and full-row `sum`/`mean` (which torch does split across threads) are never used.
+
+Randomness is counter-based Gumbel-max: the noise of (seed, output position, token id) is an integer hash
+computed with int64 torch ops, mapped to a uniform in (0, 1) and then to Gumbel noise -log(-log(u)) with
+a logarithm written in +, -, *, / (`_log64`), so no vectorized-vs-scalar libm path can change a bit.
+The token is argmax(filtered logits / T + noise), ties to the lowest token id. No generator, no global
+RNG: the same (seed, position) gives the same token whatever else runs.
+
+Order of operations per row (documented choice, vLLM/HF semantics):
+  1. penalties on the raw logits: repetition (HF: positive logits divided, negative multiplied) over
+     prompt + output tokens; then frequency (count * f) and presence (p once) subtracted over output tokens;
+  2. temperature 0: argmax, ties -> lowest id (filters cannot change the argmax);
+  3. else logits / T, then top-k, then top-p (softmax over the top-k survivors, sorted by (-value, id)
+     with a STABLE sort, keep the shortest prefix whose mass reaches top_p), then min-p (softmax over
+     the survivors, keep p >= min_p * max p); ties always broken by token id;
+  4. token = argmax over survivors of (value + gumbel noise), ties -> lowest id.
+
+Logprobs are "raw": log_softmax of the model's fp32 logits row, BEFORE penalties, temperature and
+filters (vLLM's "raw_logprobs"). Decode logprobs therefore equal, bitwise, the prompt logprobs of the same
+sequence scored in one prefill (`prompt_logprobs` uses the same row function): the RL contract.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from deterministic_inference.engine.sampling_params import SamplingParams
+
+_M32 = 0xFFFFFFFF
+_LN2 = math.log(2.0)
+_SQRT2 = math.sqrt(2.0)
+# Gumbel noise lies in [-log(-log(2**-33)), -log(-log(1 - 2**-33))] = [-3.13, 22.87]: a token whose value
+# is more than this span below the best value can never win, so its noise need not be computed.
+_NOISE_SPAN = 27.0
+
+_Int = TypeVar("_Int", int, torch.Tensor)  # the hash runs on Python ints (one row) or int64 tensors
+
+
+@dataclass
+class SampleResult:
+    """Per row: the chosen token, its raw logprob and the k best (token id, logprob) alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # log_softmax of the raw fp32 logits at the chosen token
+    top_logprobs: list[list[tuple[int, float]]]  # k best by (-logprob, id); k = params.logprobs or 0
+
+
+# -- counter-based noise -------------------------------------------------------------------------
+
+
+def _mul32(x: _Int, c: int) -> _Int:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32): c is split in 16-bit halves so every product stays
+    below 2**49 (never overflows int64)."""
+    low, high = c & 0xFFFF, c >> 16
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: _Int) -> _Int:
+    """A bijective 32-bit avalanche mix (xor-shift / multiply rounds) on int64 values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _row_keys(seeds: _Int, positions: _Int) -> tuple[_Int, _Int]:
+    """Two 32-bit keys per row from (seed, output position): int64 tensors [R] or Python ints (same
+    integer arithmetic, so the same keys)."""
+    key = _mix32((seeds & _M32) ^ 0x243F6A88)
+    key = _mix32(key ^ ((seeds >> 32) & _M32))
+    key = _mix32(key ^ (positions & _M32))
+    return key, _mix32(key ^ 0x85A308D3)
+
+
+def _log64(x: torch.Tensor) -> torch.Tensor:
+    """Natural log of positive normal float64 values using only exact-rounded +, -, *, / (so the result
+    of an element never depends on where it sits in a tensor): x = m * 2**e with m in [sqrt(1/2),
+    sqrt(2)), log m = 2 atanh(s), s = (m - 1) / (m + 1), |s| < 0.172, series to s**23."""
+    bits = x.view(torch.int64)
+    exponent = (bits >> 52) - 1023
+    mantissa = ((bits & ((1 << 52) - 1)) | (1023 << 52)).view(torch.float64)  # in [1, 2)
+    big = mantissa > _SQRT2
+    mantissa = torch.where(big, mantissa * 0.5, mantissa)
+    exponent = exponent + big.to(torch.int64)
+    s = (mantissa - 1.0) / (mantissa + 1.0)
+    s2 = s * s
+    series = torch.full_like(s, 1.0 / 23.0)
+    for odd in range(21, 0, -2):
+        series = series * s2 + 1.0 / odd
+    return (s * series) * 2.0 + exponent.to(torch.float64) * _LN2
+
+
+def _token_uniforms(
+    key1: torch.Tensor | int, key2: torch.Tensor | int, token_ids: torch.Tensor
+) -> torch.Tensor:
+    """Uniforms (float64) in [2**-33, 1 - 2**-33], never 0 or 1, from two hash rounds over the token id;
+    keys broadcast against token_ids."""
+    h = _mix32(_mul32(token_ids & _M32, 0x9E3779B1) ^ key1)
+    h = _mix32(h ^ key2)
+    return (h.to(torch.float64) + 0.5) * 2.0**-32
+
+
+def _gumbel(uniform: torch.Tensor) -> torch.Tensor:
+    """Exact Gumbel noise -log(-log(u)) as float32, through `_log64` (position-independent bits)."""
+    return (-_log64(-_log64(uniform))).to(torch.float32)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel noise [R, V] float32 for rows (seed, output position); element (r, t) depends ONLY on
+    (seeds[r], positions[r], t): integer hashing and elementwise exact-rounded arithmetic, so it is
+    invariant to batch composition, row position and thread count by construction."""
+    key1, key2 = _row_keys(seeds.to(torch.int64), positions.to(torch.int64))
+    token_ids = torch.arange(vocab_size, dtype=torch.int64)
+    return _gumbel(_token_uniforms(key1[:, None], key2[:, None], token_ids[None, :]))
+
+
+# -- row helpers -------------------------------------------------------------------------------------
+
+
+def _row_logprobs(row: torch.Tensor) -> torch.Tensor:
+    """log_softmax of one raw logits row in fp32, on its own contiguous copy (shared by `sample` and
+    `prompt_logprobs`, so decode and prompt logprobs of the same logits are bitwise equal)."""
+    return torch.log_softmax(row.to(torch.float32).clone(), dim=0)
+
+
+def _best(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best entries by (-value, id): (ids, values), ordered. Exact: topk only finds the k-th value;
+    the order comes from a stable sort of the ids (ascending) at or above it."""
+    k = min(k, values.numel())
+    threshold = torch.topk(values, k).values[-1]
+    ids = torch.nonzero(values >= threshold).squeeze(1)
+    order = torch.sort(values[ids], descending=True, stable=True).indices[:k]
+    return ids[order], values[ids[order]]
+
+
+def _top_pairs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    if k <= 0:
+        return []
+    ids, values = _best(logprobs, k)
+    return list(zip(ids.tolist(), values.tolist(), strict=True))
+
+
+def _argmax_lowest(values: torch.Tensor) -> int:
+    """Index of the maximum, ties -> lowest index."""
+    return int(torch.nonzero(values == values.max())[0, 0])
+
+
+def _apply_penalties(
+    raw: torch.Tensor, params: SamplingParams, past: list[int], output: list[int]
+) -> torch.Tensor:
+    """Repetition penalty over prompt + output tokens, then frequency and presence over output tokens."""
+    logits = raw.clone()
+    if params.repetition_penalty != 1.0 and past:
+        ids = torch.unique(torch.tensor(past, dtype=torch.int64))
+        chosen = logits[ids]
+        penalty = params.repetition_penalty
+        logits[ids] = torch.where(chosen > 0, chosen / penalty, chosen * penalty)
+    if (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0) and output:
+        counts = torch.bincount(torch.tensor(output, dtype=torch.int64))
+        ids = torch.nonzero(counts).squeeze(1)
+        chosen = logits[ids] - counts[ids].to(torch.float32) * params.frequency_penalty
+        logits[ids] = chosen - params.presence_penalty
+    return logits
+
+
+def _filter(scaled: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Survivors of top-k, top-p, min-p as (ids, values); ties broken by token id."""
+    vocab = scaled.numel()
+    if 0 < params.top_k < vocab:
+        ids, values = _best(scaled, params.top_k)
+    elif params.top_p < 1.0:
+        values, ids = torch.sort(scaled, descending=True, stable=True)
+    else:
+        ids, values = torch.arange(vocab, dtype=torch.int64), scaled
+    if params.top_p < 1.0:  # values are sorted by (-value, id) here
+        cumulative = torch.cumsum(torch.softmax(values, dim=0), dim=0)
+        keep = torch.ones_like(cumulative, dtype=torch.bool)
+        keep[1:] = cumulative[:-1] < params.top_p
+        ids, values = ids[keep], values[keep]
+    if params.min_p > 0.0:
+        probs = torch.softmax(values, dim=0)
+        keep = probs >= probs.max() * params.min_p
+        ids, values = ids[keep], values[keep]
+    return ids, values
+
+
+def _pick(
+    raw: torch.Tensor, params: SamplingParams, seed: int, position: int, past: list[int], output: list[int]
+) -> int:
+    """The token of one row (see the module docstring for the order of operations)."""
+    logits = _apply_penalties(raw, params, past, output)
+    if params.greedy:
+        return _argmax_lowest(logits)
+    ids, values = _filter(logits / params.temperature, params)
+    return _gumbel_argmax(ids, values, seed, position)
+
+
+def _gumbel_argmax(ids: torch.Tensor, values: torch.Tensor, seed: int, position: int) -> int:
+    """argmax over `ids` of values + gumbel(seed, position, id), ties -> lowest id; exactly the result of
+    adding `gumbel_noise` to every value, but the exact noise is only computed where it can matter:
+
+    1. tokens more than the noise span (+ rounding slack) below the best value cannot win: dropped;
+    2. an approximate score value + (-log(-log u)) in float64 with torch.log (error < 1e-12, its bits
+       irrelevant) bounds every exact float32 score within `slack`, so only tokens whose approximate
+       score is within 2 * slack of the best can be (or tie with) the exact winner;
+    3. those few get the exact noise, and the exact float32 scores decide.
+    """
+    best = float(values.max())
+    if math.isfinite(best):
+        keep = values >= best - (_NOISE_SPAN + abs(best) * 2.0**-20)
+        ids, values = ids[keep], values[keep]
+    key1, key2 = _row_keys(seed, position)
+    uniform = _token_uniforms(key1, key2, ids)
+    approx = values.to(torch.float64) - torch.log(-torch.log(uniform))
+    top = float(approx.max())
+    if math.isfinite(top):
+        near = approx >= top - 2.0 * (1e-4 + abs(top) * 2.0**-20)
+    else:
+        near = approx == top
+    ids, values, uniform = ids[near], values[near], uniform[near]
+    scores = values + _gumbel(uniform)
+    return int(ids[scores == scores.max()].min())
+
+
+def _check_batch(logits: torch.Tensor, lengths: dict[str, int]) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits: expected [rows, vocab], got shape {tuple(logits.shape)}")
+    for name, length in lengths.items():
+        if length != logits.shape[0]:
+            raise ValueError(f"{name}: {length} entries for {logits.shape[0]} logits rows")
+
+
+# -- public API ----------------------------------------------------------------------------------
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seeds: list[int],
+    positions: list[int],
+    past_tokens: list[list[int]],
+    output_tokens: list[list[int]],
+) -> SampleResult:
+    """One token per row of `logits` [R, V]. Row r uses only logits[r], params[r], seeds[r], positions[r]
+    (the row's OUTPUT position, i.e. tokens generated so far), past_tokens[r] (prompt + output, for the
+    repetition penalty) and output_tokens[r]: its result is bitwise the same alone or in any batch."""
+    _check_batch(
+        logits,
+        {
+            "params": len(params),
+            "seeds": len(seeds),
+            "positions": len(positions),
+            "past_tokens": len(past_tokens),
+            "output_tokens": len(output_tokens),
+        },
+    )
+    result = SampleResult(token_ids=[], logprobs=[], top_logprobs=[])
+    for r in range(logits.shape[0]):
+        raw = logits[r].to(torch.float32).clone()
+        logprobs = _row_logprobs(raw)
+        token = _pick(raw, params[r], seeds[r], positions[r], past_tokens[r], output_tokens[r])
+        result.token_ids.append(token)
+        result.logprobs.append(float(logprobs[token]))
+        result.top_logprobs.append(_top_pairs(logprobs, params[r].logprobs or 0))
+    return result
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: list[int], k: int
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Row p of `logits` [P, V] predicts next_token_ids[p]: its raw logprob and the k best alternatives.
+    Same row function as `sample`, so the bits equal the decode logprobs of the same logits rows."""
+    _check_batch(logits, {"next_token_ids": len(next_token_ids)})
+    values, tops = [], []
+    for p in range(logits.shape[0]):
+        logprobs = _row_logprobs(logits[p])
+        values.append(float(logprobs[next_token_ids[p]]))
+        tops.append(_top_pairs(logprobs, k))
+    return values, tops

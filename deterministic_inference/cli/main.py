@@ -15,6 +15,7 @@ from deterministic_inference.errors import DetinfError
 
 COMMAND_MODULES = (
     "deterministic_inference.cli.engine_cmds",
+    "deterministic_inference.cli.server_cmds",
 )
 
 

@@ -1,0 +1,1 @@
+"""Determinism audit of any OpenAI-compatible endpoint (`detinf audit`)."""

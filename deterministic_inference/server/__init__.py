@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server over the engine (FastAPI app factory in `app.py`)."""

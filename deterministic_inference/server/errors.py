@@ -1,0 +1,144 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right HTTP status.
+
+Bad input is always a 4xx: malformed JSON and pydantic validation errors become 400 (not FastAPI's
+422), engine-side `InvalidRequestError`s become 400 naming the parameter, a full queue is 429 with
+Retry-After, an engine that is loading or stopping is 503. Only engine failures are 500.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from deterministic_inference.engine.async_engine import EngineNotReadyError, QueueFullError
+from deterministic_inference.errors import DetinfError, EngineDeadError, InvalidRequestError
+from deterministic_inference.server.formatting import json_response
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+logger = logging.getLogger("detinf.server")
+
+
+class APIError(Exception):
+    """An error answered to the client as-is (status, OpenAI type, param, code)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error body."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> Response:
+        """A JSON response carrying this error."""
+        return json_response(self.body(), status_code=self.status, headers=self.headers)
+
+
+def as_api_error(error: BaseException) -> APIError:
+    """Map any exception raised while serving to the APIError the client sees."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, InvalidRequestError):
+        return APIError(400, str(error), param=error.param, code="invalid_value")
+    if isinstance(error, QueueFullError):
+        return APIError(
+            429,
+            str(error),
+            "rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(error.retry_after)},
+        )
+    if isinstance(error, EngineNotReadyError):
+        return APIError(
+            503, str(error), "service_unavailable", code="engine_not_ready", headers={"Retry-After": "1"}
+        )
+    if isinstance(error, EngineDeadError):
+        return APIError(500, str(error), "server_error", code="engine_dead")
+    if isinstance(error, DetinfError):
+        return APIError(400, str(error), code="invalid_request")
+    logger.error("internal error while serving", exc_info=error)
+    return APIError(
+        500, f"internal server error ({type(error).__name__})", "server_error", code="internal_error"
+    )
+
+
+def validation_error(error: ValidationError | RequestValidationError) -> APIError:
+    """400 naming the first offending field of a pydantic validation error."""
+    details = error.errors()
+    if not details:
+        return APIError(400, "invalid request body")
+    first = details[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(_field_path(loc)) or None
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {first.get('msg')}", code="invalid_json")
+    where = f"{param}: " if param else ""
+    return APIError(400, f"{where}{first.get('msg', 'invalid value')}", param=param, code="invalid_type")
+
+
+def _field_path(loc: list[str]) -> list[str]:
+    """Drop pydantic's union-branch labels ("str", "list[int]", "function-after[...]") from a loc."""
+    return [part for part in loc if not any(ch in part for ch in "[]()") and part not in _TYPE_LABELS]
+
+
+_TYPE_LABELS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "tagged-union"}
+
+
+async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
+    """Read the JSON body and validate it (strict types); APIError 400 on malformed JSON or bad fields."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise APIError(400, f"malformed JSON body: {error}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise validation_error(error) from None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error through `as_api_error` so clients always get an OpenAI error body."""
+
+    async def on_api_error(_: Request, error: Exception) -> Response:
+        return as_api_error(error).response()
+
+    async def on_validation(_: Request, error: Exception) -> Response:
+        if isinstance(error, RequestValidationError | ValidationError):
+            return validation_error(error).response()
+        return as_api_error(error).response()
+
+    async def on_http(_: Request, error: Exception) -> Response:
+        status = getattr(error, "status_code", 500)
+        detail = getattr(error, "detail", "error")
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        return APIError(status, str(detail), code=codes.get(status)).response()
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(ValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_api_error)
+    for error_type in (APIError, DetinfError):
+        app.add_exception_handler(error_type, on_api_error)

@@ -1,0 +1,275 @@
+"""Request bodies of the OpenAI endpoints and SGLang's `/generate` (pydantic, strict types).
+
+Types are strict (a string where a number is expected is a 400, never coerced); unknown fields are
+ignored like the OpenAI API does, except the features this server does not implement (tools,
+structured output, images, audio, logit_bias...), which are a 400 naming the field. Value ranges are
+checked by `SamplingParams`, which names the offending parameter too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from deterministic_inference.engine.sampling_params import SamplingParams
+from deterministic_inference.server.errors import APIError
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
+DEFAULT_GENERATE_MAX_TOKENS = 128  # SGLang's default max_new_tokens
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Body):
+    """`stream_options`: only include_usage has an effect."""
+
+    include_usage: bool | None = None
+
+
+class _SamplingFields(_Body):
+    """Sampling fields shared by completions and chat (vLLM-style extras included)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    def reject_unsupported(self) -> None:
+        """400 for fields whose feature is not implemented (when they ask for something)."""
+        if self.logit_bias:
+            raise unsupported("logit_bias")
+
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """Validated SamplingParams (InvalidRequestError names the field); OpenAI defaults for the rest."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            n=_default(self.n, 1),
+            max_tokens=max_tokens,
+            temperature=_default(self.temperature, 1.0),
+            top_p=_default(self.top_p, 1.0),
+            top_k=_default(self.top_k, 0),
+            min_p=_default(self.min_p, 0.0),
+            seed=self.seed,
+            presence_penalty=_default(self.presence_penalty, 0.0),
+            frequency_penalty=_default(self.frequency_penalty, 0.0),
+            repetition_penalty=_default(self.repetition_penalty, 1.0),
+            stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=bool(self.ignore_eos),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        """True when the stream should end with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def reject_unsupported(self) -> None:
+        super().reject_unsupported()
+        if self.suffix:
+            raise unsupported("suffix")
+        if self.best_of is not None and self.best_of != _default(self.n, 1):
+            raise unsupported("best_of", "best_of must equal n (or be omitted)")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: one string, several strings, one token list or several."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
+        if all(isinstance(item, int) for item in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+class ChatMessage(_Body):
+    """One chat message; content is text or a list of text parts."""
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+
+
+_CHAT_UNSUPPORTED = ("tools", "functions", "audio", "prediction", "web_search_options")
+_CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+
+    def reject_unsupported(self) -> None:
+        super().reject_unsupported()
+        extra = self.model_extra or {}
+        for name in _CHAT_UNSUPPORTED:
+            if extra.get(name):
+                raise unsupported(name)
+        if self.tool_choice not in (None, "none"):
+            raise unsupported("tool_choice")
+        if self.function_call not in (None, "none"):
+            raise unsupported("function_call")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise unsupported("response_format", "only response_format type 'text' is supported")
+        if self.modalities and any(m != "text" for m in self.modalities):
+            raise unsupported("modalities", "only the 'text' modality is supported")
+        if not self.messages:
+            raise APIError(400, "messages: must not be empty", param="messages", code="invalid_value")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as dicts for the chat template (text parts joined)."""
+        messages = []
+        for index, message in enumerate(self.messages):
+            if message.role not in _CHAT_ROLES:
+                raise unsupported(f"messages[{index}].role", f"role {message.role!r} is not supported")
+            if message.tool_calls:
+                raise unsupported(f"messages[{index}].tool_calls")
+            role = "system" if message.role == "developer" else message.role
+            messages.append({"role": role, "content": _message_text(index, message.content)})
+        return messages
+
+    def max_new_tokens(self) -> int | None:
+        """max_completion_tokens, else max_tokens (None = the rest of the context)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_top_logprobs(self) -> int | None:
+        """Engine `logprobs` value: alternatives per step when logprobs are asked for, else None."""
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+
+def _message_text(index: int, content: str | list[dict[str, Any]] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part_index, part in enumerate(content):
+        kind = part.get("type")
+        if kind != "text":
+            raise unsupported(
+                f"messages[{index}].content[{part_index}].type", f"content type {kind!r} is not supported"
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise APIError(400, "text part must have a string 'text'", param=f"messages[{index}].content")
+        texts.append(text)
+    return "".join(texts)
+
+
+class GenerateSamplingParams(_Body):
+    """SGLang `sampling_params` (the subset this engine implements)."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    sampling_seed: int | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+
+
+class GenerateRequest(_Body):
+    """SGLang's native POST /generate."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: GenerateSamplingParams | None = None
+    stream: bool | None = None
+    return_logprob: bool | None = None
+    top_logprobs_num: int | None = None
+
+    def prompts(self) -> tuple[list[str | list[int]], bool]:
+        """(prompts, batched): from `text` or `input_ids`, exactly one of them."""
+        if (self.text is None) == (self.input_ids is None):
+            raise APIError(400, "give exactly one of text or input_ids", param="text")
+        if isinstance(self.text, str):
+            return [self.text], False
+        if self.text is not None:
+            return list(self.text), True
+        ids = self.input_ids or []
+        if ids and all(isinstance(item, int) for item in ids):
+            return [list(ids)], False  # type: ignore[arg-type]
+        return list(ids), True  # type: ignore[arg-type]
+
+    def params(self) -> SamplingParams:
+        """SamplingParams with SGLang's defaults (temperature 1, 128 new tokens)."""
+        sp = self.sampling_params or GenerateSamplingParams()
+        stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+        return SamplingParams(
+            n=_default(sp.n, 1),
+            max_tokens=_default(sp.max_new_tokens, DEFAULT_GENERATE_MAX_TOKENS),
+            temperature=_default(sp.temperature, 1.0),
+            top_p=_default(sp.top_p, 1.0),
+            top_k=_default(sp.top_k, 0),
+            min_p=_default(sp.min_p, 0.0),
+            seed=sp.sampling_seed,
+            presence_penalty=_default(sp.presence_penalty, 0.0),
+            frequency_penalty=_default(sp.frequency_penalty, 0.0),
+            repetition_penalty=_default(sp.repetition_penalty, 1.0),
+            stop=tuple(stop),
+            stop_token_ids=tuple(sp.stop_token_ids or ()),
+            ignore_eos=bool(sp.ignore_eos),
+            logprobs=(self.top_logprobs_num or 0) if self.return_logprob else None,
+        )
+
+
+def unsupported(param: str, message: str | None = None) -> APIError:
+    """400 for a feature this server does not implement."""
+    return APIError(
+        400, message or f"{param} is not supported by this server", param=param, code="unsupported"
+    )
+
+
+def _default(value: Any, default: Any) -> Any:
+    return default if value is None else value

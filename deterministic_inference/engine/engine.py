@@ -90,13 +90,6 @@ class Engine:
                 f"{self.max_model_len} tokens; shorten the prompt or lower max_tokens",
                 param="max_tokens" if len(ids) < self.max_model_len else "prompt",
             )
-        blocks_needed = -(-(len(ids) + params.max_tokens) // self.config.kv_block_size)
-        if blocks_needed > self.runner.num_blocks:
-            raise InvalidRequestError(
-                f"prompt + max_tokens needs {blocks_needed} KV blocks but the cache has {self.runner.num_blocks}; "
-                "lower max_tokens or start the engine with more num_kv_blocks",
-                param="max_tokens",
-            )
         if request_id is None:
             request_id = f"req-{self._next_auto_id}"
             self._next_auto_id += 1

@@ -1,0 +1,96 @@
+"""Engine throughput on the default model: invariant on vs off, and HF transformers `generate`.
+
+Run by hand (not a test):  .venv/bin/python bench/bench_engine.py [--concurrency 1 8 32] [--prompt-len 128]
+  [--output-len 128] [--threads 2] [--no-hf]
+Prints one JSON line per measurement and a summary table. Measurements of one run are side by side, so
+compare their ratios; absolute numbers move with the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from deterministic_inference.config import EngineConfig
+from deterministic_inference.engine.engine import Engine
+from deterministic_inference.engine.sampling_params import SamplingParams
+from deterministic_inference.model.loader import LoadedModel, load_model
+
+
+def make_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def bench_engine(loaded: LoadedModel, prompts: list[list[int]], output_len: int, invariant: bool, dtype: str) -> dict:
+    config = EngineConfig(dtype=dtype, batch_invariant=invariant, max_num_seqs=max(64, len(prompts)), selfcheck=False)
+    engine = Engine(config, loaded=loaded)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"impl": f"detinf-{'inv' if invariant else 'plain'}-{dtype}", "tokens": generated, "seconds": elapsed}
+
+
+def bench_hf(loaded: LoadedModel, prompts: list[list[int]], output_len: int, dtype: torch.dtype) -> dict:
+    import transformers
+
+    spec = loaded.spec
+    config = transformers.LlamaConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim, rms_norm_eps=spec.rms_norm_eps,
+        rope_theta=spec.rope_theta, max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings, pad_token_id=0,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.load_state_dict(loaded.weights, strict=False)
+    model.tie_weights()
+    model = model.to(dtype)
+    ids = torch.tensor(prompts)  # equal lengths: no padding needed
+    with torch.no_grad():
+        model.generate(ids[:1, :16], max_new_tokens=2, do_sample=False)
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False)
+        elapsed = time.perf_counter() - start
+    generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return {"impl": f"hf-transformers-{str(dtype).removeprefix('torch.')}", "tokens": generated, "seconds": elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--no-hf", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_model(None)
+    rows = []
+    for concurrency in args.concurrency:
+        prompts = make_prompts(concurrency, args.prompt_len, loaded.spec.vocab_size)
+        runs = [
+            bench_engine(loaded, prompts, args.output_len, True, args.dtype),
+            bench_engine(loaded, prompts, args.output_len, False, args.dtype),
+        ]
+        if not args.no_hf:
+            runs.append(bench_hf(loaded, prompts, args.output_len, torch.bfloat16))
+        for run in runs:
+            run.update(concurrency=concurrency, tok_per_s=run["tokens"] / run["seconds"])
+            print(json.dumps(run), flush=True)
+            rows.append(run)
+    print(f"\n{'conc':>4} {'impl':<28} {'tok/s':>9}")
+    for row in rows:
+        print(f"{row['concurrency']:>4} {row['impl']:<28} {row['tok_per_s']:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Engine-level invariance on a tiny random Llama: a prompt's tokens and logprob bits do not depend on
+batch composition, position in the batch, chunked prefill, preemption, threads or sampling mode.
+
+Every comparison is bitwise (float32 bits of the logprobs, exact token ids), and the negative control
+runs the same cases with batch_invariant=False and must find at least one difference.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from deterministic_inference.config import EngineConfig
+from deterministic_inference.engine.engine import Engine
+from deterministic_inference.engine.sampling_params import SamplingParams
+from deterministic_inference.model.loader import LoadedModel, load_model
+from tests.tiny_models import TinyModel
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+SEEDED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True, logprobs=3)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One batch setting the target prompt is run in."""
+
+    others: int  # other prompts in the batch
+    position: str  # "first", "last" or "middle"
+    budget: int  # max_num_batched_tokens (small = chunked prefill)
+    threads: int
+    num_kv_blocks: int | None = None  # small = forced preemption
+
+
+@dataclass(frozen=True)
+class Result:
+    token_ids: tuple[int, ...]
+    logprob_bits: tuple[int, ...]
+    top_bits: tuple[tuple[tuple[int, int], ...], ...]
+
+
+def bits(value: float) -> int:
+    """Raw float32 bits (so -0.0 != +0.0 and no tolerance can hide a difference)."""
+    return int(struct.unpack("<I", struct.pack("<f", value))[0])
+
+
+def result_of(output: object) -> Result:
+    choice = output.outputs[0]  # type: ignore[attr-defined]
+    return Result(
+        tuple(choice.token_ids),
+        tuple(bits(v) for v in choice.logprobs),
+        tuple(tuple((t, bits(v)) for t, v in step) for step in choice.top_logprobs),
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_llama_dir: TinyModel) -> LoadedModel:
+    return load_model(str(tiny_llama_dir.path))
+
+
+@pytest.fixture
+def restore_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def random_prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 60))] for _ in range(count)]
+
+
+def run_case(
+    loaded: LoadedModel, target: list[int], params: SamplingParams, case: Case, batch_invariant: bool
+) -> tuple[Result, int]:
+    """The target's result inside the case's batch, and how many preemptions happened."""
+    config = EngineConfig(
+        dtype="float32",
+        batch_invariant=batch_invariant,
+        max_num_batched_tokens=case.budget,
+        threads=case.threads,
+        num_kv_blocks=case.num_kv_blocks,
+        enable_prefix_caching=False,
+        selfcheck=False,
+    )
+    engine = Engine(config, loaded=loaded, record_trace=True)
+    others = random_prompts(case.others, loaded.spec.vocab_size, seed=case.others * 31 + case.budget)
+    index = {"first": 0, "last": len(others), "middle": len(others) // 2}[case.position]
+    prompts = others[:index] + [target] + others[index:]
+    other_params = SamplingParams(max_tokens=12, temperature=0.7, seed=99, ignore_eos=True)
+    params_list = [other_params] * len(prompts)
+    params_list[index] = params
+    outputs = engine.generate(prompts, params_list)
+    preemptions = sum(len(plan.preempted_ids) for plan in engine.trace)
+    return result_of(outputs[index]), preemptions
+
+
+CASES = [
+    Case(others=2, position="first", budget=512, threads=1),
+    Case(others=8, position="last", budget=16, threads=2),
+    Case(others=32, position="middle", budget=64, threads=2),
+    Case(others=5, position="last", budget=7, threads=1),
+    Case(others=16, position="first", budget=512, threads=2, num_kv_blocks=24),
+]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded-T0.8-p0.9"])
+def test_prompt_alone_equals_prompt_in_any_batch(
+    tiny_loaded: LoadedModel, params: SamplingParams, restore_threads: None
+) -> None:
+    target = random_prompts(1, tiny_loaded.spec.vocab_size, seed=7)[0] + list(range(3, 40))
+    alone, _ = run_case(tiny_loaded, target, params, Case(0, "first", 512, 1), batch_invariant=True)
+    assert len(alone.token_ids) == params.max_tokens
+    preempted = 0
+    for case in CASES:
+        result, preemptions = run_case(tiny_loaded, target, params, case, batch_invariant=True)
+        preempted += preemptions
+        assert result == alone, f"differs in {case}"
+    assert preempted > 0, "the small-pool case must actually preempt"
+
+
+def test_negative_control_plain_ops_differ(tiny_loaded: LoadedModel, restore_threads: None) -> None:
+    """With invariant ops off, the same cases must show a difference, or the test above proves nothing."""
+    target = random_prompts(1, tiny_loaded.spec.vocab_size, seed=7)[0] + list(range(3, 40))
+    alone, _ = run_case(tiny_loaded, target, GREEDY, Case(0, "first", 512, 1), batch_invariant=False)
+    differing = [
+        case for case in CASES if run_case(tiny_loaded, target, GREEDY, case, batch_invariant=False)[0] != alone
+    ]
+    assert differing, "plain ops gave identical bits everywhere: the invariance test cannot fail"
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_decode_logprobs_equal_prompt_logprobs(tiny_loaded: LoadedModel, params: SamplingParams) -> None:
+    """RL contract: the logprob of each sampled token equals its logprob when prompt+output is scored."""
+    engine = Engine(EngineConfig(dtype="float32", selfcheck=False), loaded=tiny_loaded)
+    prompt = random_prompts(1, tiny_loaded.spec.vocab_size, seed=3)[0] + [5, 6, 7]
+    generated = engine.generate([prompt], params)[0].outputs[0]
+    scoring = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    scored = engine.generate([prompt + generated.token_ids], scoring)[0]
+    assert scored.prompt_logprobs is not None
+    tail = scored.prompt_logprobs[len(prompt) :]
+    assert [bits(v) for v in tail if v is not None] == [bits(v) for v in generated.logprobs]

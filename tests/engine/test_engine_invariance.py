@@ -128,7 +128,9 @@ def test_negative_control_plain_ops_differ(tiny_loaded: LoadedModel, restore_thr
     target = random_prompts(1, tiny_loaded.spec.vocab_size, seed=7)[0] + list(range(3, 40))
     alone, _ = run_case(tiny_loaded, target, GREEDY, Case(0, "first", 512, 1), batch_invariant=False)
     differing = [
-        case for case in CASES if run_case(tiny_loaded, target, GREEDY, case, batch_invariant=False)[0] != alone
+        case
+        for case in CASES
+        if run_case(tiny_loaded, target, GREEDY, case, batch_invariant=False)[0] != alone
     ]
     assert differing, "plain ops gave identical bits everywhere: the invariance test cannot fail"
 

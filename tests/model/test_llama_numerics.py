@@ -25,7 +25,9 @@ def prefill_logits(model: DecoderModel, token_ids: list[int], block_size: int = 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 @pytest.mark.parametrize("batch_invariant", [True, False])
-def test_logits_match_transformers(fixture: str, batch_invariant: bool, request: pytest.FixtureRequest) -> None:
+def test_logits_match_transformers(
+    fixture: str, batch_invariant: bool, request: pytest.FixtureRequest
+) -> None:
     tiny: TinyModel = request.getfixturevalue(fixture)
     loaded = load_model(str(tiny.path))
     model = DecoderModel(loaded.spec, loaded.weights, Numerics(torch.float32, batch_invariant, 8, 32), 512)

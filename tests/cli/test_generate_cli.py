@@ -1,0 +1,87 @@
+"""`detinf generate` as users and other tools call it: JSON contract, batching, clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.tiny_models import TinyModel
+
+
+def detinf(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deterministic_inference", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_generate_json_contract(tiny_llama_dir: TinyModel) -> None:
+    result = detinf(
+        "generate",
+        "--model",
+        str(tiny_llama_dir.path),
+        "--prompt",
+        "hello world",
+        "--prompt",
+        "def f(x):",
+        "--max-tokens",
+        "5",
+        "--logprobs",
+        "2",
+        "--json",
+        "--dtype",
+        "float32",
+        "--no-selfcheck",
+    )
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["system_fingerprint"].startswith("detinf-")
+    assert len(document["outputs"]) == 2
+    for entry in document["outputs"]:
+        assert set(entry) == {
+            "prompt_token_ids",
+            "output_token_ids",
+            "logprobs",
+            "top_logprobs",
+            "text",
+            "finish_reason",
+        }
+        assert len(entry["output_token_ids"]) == len(entry["logprobs"]) == len(entry["top_logprobs"])
+        assert all(len(step) == 2 for step in entry["top_logprobs"])
+
+
+def test_generate_is_reproducible_across_processes(tiny_llama_dir: TinyModel) -> None:
+    args = (
+        "generate",
+        "--model",
+        str(tiny_llama_dir.path),
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "3",
+        "--json",
+        "--dtype",
+        "float32",
+        "--no-selfcheck",
+    )
+    first, second = detinf(*args), detinf(*args, "--threads", "1")
+    assert first.returncode == 0 and second.returncode == 0
+    assert json.loads(first.stdout) == json.loads(second.stdout)
+
+
+def test_bad_input_is_one_line_and_nonzero(tiny_llama_dir: TinyModel, tmp_path: object) -> None:
+    for args, needle in [
+        (("--max-tokens", "0"), "max_tokens"),
+        (("--temperature", "-1"), "temperature"),
+        (("--top-p", "2"), "top_p"),
+        (("--model", "/nonexistent/model.gguf"), "/nonexistent/model.gguf"),
+    ]:
+        model_args = () if "--model" in args else ("--model", str(tiny_llama_dir.path))
+        result = detinf("generate", "--prompt", "hi", "--no-selfcheck", *model_args, *args)
+        assert result.returncode != 0
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], result.stderr

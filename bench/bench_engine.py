@@ -26,8 +26,12 @@ def make_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[lis
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(count)]
 
 
-def bench_engine(loaded: LoadedModel, prompts: list[list[int]], output_len: int, invariant: bool, dtype: str) -> dict:
-    config = EngineConfig(dtype=dtype, batch_invariant=invariant, max_num_seqs=max(64, len(prompts)), selfcheck=False)
+def bench_engine(
+    loaded: LoadedModel, prompts: list[list[int]], output_len: int, invariant: bool, dtype: str
+) -> dict:
+    config = EngineConfig(
+        dtype=dtype, batch_invariant=invariant, max_num_seqs=max(64, len(prompts)), selfcheck=False
+    )
     engine = Engine(config, loaded=loaded)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
@@ -35,7 +39,11 @@ def bench_engine(loaded: LoadedModel, prompts: list[list[int]], output_len: int,
     outputs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"impl": f"detinf-{'inv' if invariant else 'plain'}-{dtype}", "tokens": generated, "seconds": elapsed}
+    return {
+        "impl": f"detinf-{'inv' if invariant else 'plain'}-{dtype}",
+        "tokens": generated,
+        "seconds": elapsed,
+    }
 
 
 def bench_hf(loaded: LoadedModel, prompts: list[list[int]], output_len: int, dtype: torch.dtype) -> dict:
@@ -43,11 +51,18 @@ def bench_hf(loaded: LoadedModel, prompts: list[list[int]], output_len: int, dty
 
     spec = loaded.spec
     config = transformers.LlamaConfig(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim, rms_norm_eps=spec.rms_norm_eps,
-        rope_theta=spec.rope_theta, max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings, pad_token_id=0,
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        rms_norm_eps=spec.rms_norm_eps,
+        rope_theta=spec.rope_theta,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        pad_token_id=0,
     )
     model = transformers.LlamaForCausalLM(config).eval()
     model.load_state_dict(loaded.weights, strict=False)
@@ -60,7 +75,11 @@ def bench_hf(loaded: LoadedModel, prompts: list[list[int]], output_len: int, dty
         out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False)
         elapsed = time.perf_counter() - start
     generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    return {"impl": f"hf-transformers-{str(dtype).removeprefix('torch.')}", "tokens": generated, "seconds": elapsed}
+    return {
+        "impl": f"hf-transformers-{str(dtype).removeprefix('torch.')}",
+        "tokens": generated,
+        "seconds": elapsed,
+    }
 
 
 def main() -> None:

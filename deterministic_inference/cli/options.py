@@ -10,7 +10,9 @@ from deterministic_inference.config import DTYPES, EngineConfig
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """Options that map to `EngineConfig` fields."""
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
+    group.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)"
+    )
     group.add_argument("--dtype", default="auto", choices=DTYPES, help="weights/activations dtype")
     group.add_argument("--no-batch-invariant", action="store_true", help="plain torch ops (not reproducible)")
     group.add_argument("--no-prefix-cache", action="store_true", help="disable automatic prefix caching")

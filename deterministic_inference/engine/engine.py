@@ -45,14 +45,20 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         self.spec = self.loaded.spec
         self.dtype_name = resolve_dtype(config.dtype)
-        self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings
+        )
         self.model = build_model(self.loaded, config, self.dtype_name, self.max_model_len)
         self.model_digest = artifacts_digest(self.loaded.artifacts)
         self.fingerprint = fingerprint.engine_fingerprint(self.model_digest, config.numerics(self.dtype_name))
         self.system_fingerprint = fingerprint.system_fingerprint(self.fingerprint)
         num_blocks = choose_num_kv_blocks(config, self.spec, self.max_model_len, self.dtype_name)
-        self.kv = KVCacheManager(num_blocks, config.kv_block_size, config.enable_prefix_caching, self.system_fingerprint)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.kv = KVCacheManager(
+            num_blocks, config.kv_block_size, config.enable_prefix_caching, self.system_fingerprint
+        )
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+        )
         self.runner = ModelRunner(self.model, num_blocks, config.kv_block_size)
         self.record_trace = record_trace
         self.trace: list[StepPlan] = []
@@ -78,10 +84,14 @@ class Engine:
         vocab = self.spec.vocab_size
         for token in ids:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
-                raise InvalidRequestError(f"prompt: token id {token!r} is outside [0, {vocab})", param="prompt")
+                raise InvalidRequestError(
+                    f"prompt: token id {token!r} is outside [0, {vocab})", param="prompt"
+                )
         return ids
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
         """Queue a request (expanded into n sequences); returns its id. Raises InvalidRequestError."""
         ids = self.encode_prompt(prompt)
         if len(ids) + params.max_tokens > self.max_model_len:
@@ -165,7 +175,9 @@ class Engine:
         """Run prompts together (batched) to completion; outputs in prompt order."""
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
-            raise InvalidRequestError("params: need one SamplingParams per prompt, or a single one", param="params")
+            raise InvalidRequestError(
+                "params: need one SamplingParams per prompt, or a single one", param="params"
+            )
         request_ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params_list, strict=True)]
         while self.has_unfinished:
             self.step(layer_hook)
@@ -237,7 +249,9 @@ class Engine:
             for i, request in enumerate(requests)
         }
 
-    def _collect_prompt_logprobs(self, chunks: tuple[ScheduledChunk, ...], logits: list[torch.Tensor | None]) -> None:
+    def _collect_prompt_logprobs(
+        self, chunks: tuple[ScheduledChunk, ...], logits: list[torch.Tensor | None]
+    ) -> None:
         """Logprob of each prompt token given the tokens before it, from chunks that asked for all rows."""
         for chunk, chunk_logits in zip(chunks, logits, strict=True):
             if not chunk.all_logits or chunk_logits is None:
@@ -249,7 +263,9 @@ class Engine:
                 state.prompt_logprobs.append(None)  # position 0 has no logprob
                 state.prompt_top_logprobs.append([])
             prompt = request.prompt_token_ids
-            for row, position in enumerate(range(chunk.start_position, chunk.start_position + len(chunk.token_ids))):
+            for row, position in enumerate(
+                range(chunk.start_position, chunk.start_position + len(chunk.token_ids))
+            ):
                 target = position + 1
                 if target >= len(prompt) or target < len(state.prompt_logprobs):
                     continue
@@ -271,7 +287,9 @@ class Engine:
                     prompt_token_ids=list(self._prompts[request_id]),
                     outputs=[state.completion() for state in states],
                     prompt_logprobs=list(first.prompt_logprobs) if wants_prompt else None,
-                    prompt_top_logprobs=[list(t) for t in first.prompt_top_logprobs] if wants_prompt else None,
+                    prompt_top_logprobs=[list(t) for t in first.prompt_top_logprobs]
+                    if wants_prompt
+                    else None,
                     num_cached_tokens=first.request.num_cached_tokens,
                     finished=all(state.request.is_finished for state in states),
                 )

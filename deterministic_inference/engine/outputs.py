@@ -12,7 +12,9 @@ class CompletionOutput:
     index: int  # choice index in [0, n)
     token_ids: list[int]  # generated token ids
     logprobs: list[float]  # logprob of each chosen token (log_softmax of the raw fp32 logits)
-    top_logprobs: list[list[tuple[int, float]]]  # per step: the k best (token id, logprob); k = params.logprobs
+    top_logprobs: list[
+        list[tuple[int, float]]
+    ]  # per step: the k best (token id, logprob); k = params.logprobs
     text: str  # detokenized text; stop strings cut per the request; held back while a stop may be forming
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it

@@ -38,7 +38,9 @@ class SequenceState:
             found = find_stop(self.text, params.stop, previous_length)
             if found is not None:
                 index, stop = found
-                self.text = self.text[: index + len(stop)] if params.include_stop_str_in_output else self.text[:index]
+                self.text = (
+                    self.text[: index + len(stop)] if params.include_stop_str_in_output else self.text[:index]
+                )
                 request.stop_reason = stop
                 return RequestStatus.FINISHED_STOPPED
         if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:

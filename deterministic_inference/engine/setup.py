@@ -31,13 +31,15 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 
 
 def resolve_dtype(requested: str) -> str:
-    """"auto" -> "bfloat16" on CPUs with native bf16, else "float32"; explicit names pass through."""
+    """ "auto" -> "bfloat16" on CPUs with native bf16, else "float32"; explicit names pass through."""
     if requested != "auto":
         return requested
     return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
-def build_model(loaded: LoadedModel, config: EngineConfig, dtype_name: str, max_model_len: int) -> DecoderModel:
+def build_model(
+    loaded: LoadedModel, config: EngineConfig, dtype_name: str, max_model_len: int
+) -> DecoderModel:
     """The decoder with the configured numerics; weights cast from the loader's fp32."""
     numerics = Numerics(
         dtype=DTYPES[dtype_name],

@@ -1,0 +1,142 @@
+"""Run a manifest's requests on the embedded engine and collect what the run directory records."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deterministic_inference.errors import WorkflowError
+from deterministic_inference.workflow import capture
+from deterministic_inference.workflow.artifacts import ModelLocation
+
+
+@dataclass
+class BackendResult:
+    """What one backend produced for a run (files are written by `run`)."""
+
+    backend: str  # "embedded" or "openai_compatible"
+    sequences: list[dict[str, Any]]  # one per (request, choice), request order then choice index
+    fingerprint: dict[str, Any]  # model / numerics / software / hardware
+    system_fingerprint: str
+    batch_trace: list[dict[str, Any]]  # what was submitted together
+    timings: dict[str, float]
+    activations: dict[str, Any] | None = None
+    activation_tensors: dict[str, Any] | None = None
+    engine_trace: dict[str, Any] | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def sampling_params_for(request: dict[str, Any], logprobs: int | None) -> Any:
+    """Engine SamplingParams of one workflow request."""
+    from deterministic_inference.engine.sampling_params import SamplingParams
+
+    sampling = request["sampling"]
+    return SamplingParams(
+        n=sampling["n"], max_tokens=sampling["max_tokens"], temperature=float(sampling["temperature"]),
+        top_p=float(sampling["top_p"]), top_k=sampling["top_k"], min_p=float(sampling["min_p"]),
+        seed=sampling["seed"], repetition_penalty=float(sampling["repetition_penalty"]),
+        presence_penalty=float(sampling["presence_penalty"]),
+        frequency_penalty=float(sampling["frequency_penalty"]), ignore_eos=sampling["ignore_eos"],
+        stop=tuple(request["stop"].get("sequences", [])),
+        stop_token_ids=tuple(request["stop"].get("token_ids", [])),
+        logprobs=logprobs,
+    )
+
+
+def engine_config_for(manifest: dict[str, Any], location: ModelLocation) -> Any:
+    """EngineConfig from a resolved manifest."""
+    from deterministic_inference.config import EngineConfig
+
+    engine, batching = manifest["engine"], manifest["inference"]["batching"]
+    return EngineConfig(
+        model=str(location.engine_path) if location.engine_path is not None else None,
+        dtype=engine["dtype"], batch_invariant=engine["batch_invariant"],
+        linear_tile_rows=engine["linear_tile_rows"], attention_kv_tile=engine["attention_kv_tile"],
+        kv_block_size=engine["kv_block_size"], num_kv_blocks=engine["num_kv_blocks"],
+        max_model_len=engine["max_model_len"], max_num_seqs=batching["max_num_seqs"],
+        max_num_batched_tokens=batching["max_num_batched_tokens"],
+        enable_prefix_caching=batching["enable_prefix_caching"], threads=manifest["runtime"]["threads"],
+        seed=engine["seed"], selfcheck=engine["selfcheck"],
+    )
+
+
+def run_embedded(manifest: dict[str, Any], location: ModelLocation, requests: list[dict[str, Any]],
+                 locked_files: list[Path]) -> BackendResult:
+    """Load the engine, check it read only locked files, run every request, collect captures."""
+    from deterministic_inference.engine.engine import Engine
+
+    started = time.perf_counter()
+    engine = Engine(engine_config_for(manifest, location), record_trace=True)
+    _check_loaded_files(engine.model_artifacts, locked_files)
+    loaded = time.perf_counter()
+    captures = manifest["capture"]
+    recorder = None
+    if captures["activations"]["enabled"]:
+        recorder = capture.ActivationRecorder(keep_tensors=captures["activations"]["full_tensors"])
+    top_k = captures["logits"]["top_k"] if captures["logits"]["enabled"] else None
+    groups = _submission_groups(requests, manifest["inference"]["batching"]["policy"])
+    finals: dict[str, Any] = {}
+    for group in groups:
+        for request in group:
+            engine.add_request(_prompt_for(engine, request), sampling_params_for(request, top_k),
+                               request_id=request["request_id"])
+        while engine.has_unfinished:
+            for output in engine.step(recorder):
+                finals[output.request_id] = output
+        for request in group:
+            engine.release(request["request_id"])
+    finished = time.perf_counter()
+    sequences = [entry for r in requests for entry in sequences_of(r, finals[r["request_id"]])]
+    return BackendResult(
+        backend="embedded", sequences=sequences, fingerprint=engine.fingerprint,
+        system_fingerprint=engine.system_fingerprint,
+        batch_trace=[{"submitted_together": [r["request_id"] for r in group]} for group in groups],
+        timings={"load_seconds": loaded - started, "generate_seconds": finished - loaded},
+        activations=recorder.document(engine.trace) if recorder else None,
+        activation_tensors=recorder.tensors(engine.trace) if recorder and recorder.keep_tensors else None,
+        engine_trace=capture.trace_document(engine.trace) if captures["engine_trace"]["enabled"] else None,
+    )
+
+
+def _check_loaded_files(loaded: tuple[Path, ...], locked: list[Path]) -> None:
+    pinned = {path.resolve() for path in locked}
+    for path in loaded:
+        if path.resolve() not in pinned:
+            raise WorkflowError(
+                f"the engine loaded {path}, which is not pinned in $.model.files; add it to the manifest "
+                "(`detinf init` lists every model file) and run `detinf lock` again"
+            )
+
+
+def _submission_groups(requests: list[dict[str, Any]], policy: str) -> list[list[dict[str, Any]]]:
+    if policy == "sequential":
+        return [[request] for request in requests]
+    return [list(requests)]
+
+
+def _prompt_for(engine: Any, request: dict[str, Any]) -> str:
+    if request["kind"] == "chat":
+        rendered: str = engine.tokenizer.apply_chat_template(request["messages"])
+        return rendered
+    prompt: str = request["prompt"]
+    return prompt
+
+
+def sequences_of(request: dict[str, Any], output: Any) -> list[dict[str, Any]]:
+    """tokens.json / logits.json entries of every choice of one request output."""
+    entries = []
+    for choice in output.outputs:
+        entries.append({
+            "request_id": request["request_id"],
+            "index": choice.index,
+            "prompt_token_ids": list(output.prompt_token_ids),
+            "output_token_ids": list(choice.token_ids),
+            "text": choice.text,
+            "finish_reason": choice.finish_reason,
+            "token_logprobs": [float(value) for value in choice.logprobs],
+            "top_logprobs": [[[int(token), float(value)] for token, value in step]
+                             for step in choice.top_logprobs],
+        })
+    return entries

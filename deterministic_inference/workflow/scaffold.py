@@ -1,0 +1,141 @@
+"""Writing and completing manifests: ``init``, ``digest-bootstrap`` and ``build`` (closure metadata)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from deterministic_inference import fingerprint
+from deterministic_inference.errors import WorkflowError
+from deterministic_inference.workflow import artifacts, closure
+from deterministic_inference.workflow.dataset import REFERENCE_DATASET, REFERENCE_DATASET_DIGEST, load_dataset
+from deterministic_inference.workflow.lock import check_lock_for, load_lock, with_closure, write_lock
+from deterministic_inference.workflow.manifest import (
+    MANIFEST_KIND,
+    UNSET_DIGEST,
+    Manifest,
+    load_manifest,
+    read_document,
+)
+from deterministic_inference.workflow.migrate import SEED_MANIFEST_KIND
+
+
+def init_manifest(model: Path | None, n_prompts: int, max_tokens: int) -> dict[str, Any]:
+    """A manifest for `model` (None = the embedded default model), digests filled in."""
+    if not 1 <= n_prompts <= 100:
+        raise WorkflowError(f"--n-prompts: {n_prompts} must be between 1 and 100 (the reference prompts)")
+    if not 1 <= max_tokens <= 32768:
+        raise WorkflowError(f"--max-tokens: {max_tokens} must be between 1 and 32768")
+    if model is None:
+        from deterministic_inference.model.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+        weights = default_model_path()
+        source: dict[str, Any] = {"type": "default"}
+        files = artifacts.discover_model_files(weights)
+        root, name = weights.parent, DEFAULT_MODEL_NAME
+    else:
+        model = model.resolve()
+        source = {"type": "path", "path": str(model)}
+        files = artifacts.discover_model_files(model)
+        root, name = (model if model.is_dir() else model.parent), model.name.split(".")[0]
+    for entry in files:
+        entry["digest"] = artifacts.hash_file(root / entry["path"], entry["path"])
+    return {
+        "schema_version": 1,
+        "kind": MANIFEST_KIND,
+        "metadata": {"name": _safe_name(f"{name}-greedy"),
+                     "description": f"Greedy decoding of {n_prompts} reference prompts on {name}."},
+        "model": {"source": source, "files": files},
+        "engine": {"dtype": "auto", "batch_invariant": True, "linear_tile_rows": 8, "attention_kv_tile": 32,
+                   "kv_block_size": 16, "seed": 0, "selfcheck": True},
+        "inference": {
+            "dataset": {"source": REFERENCE_DATASET, "digest": REFERENCE_DATASET_DIGEST},
+            "n_prompts": n_prompts,
+            "request_template": {"kind": "completion",
+                                 "sampling": {"temperature": 0.0, "max_tokens": max_tokens, "seed": 0},
+                                 "stop": {"sequences": [], "token_ids": []}},
+            "batching": {"policy": "fixed", "max_num_seqs": 64, "max_num_batched_tokens": 512},
+        },
+        "capture": {"tokens": True, "logits": {"enabled": True, "top_k": 5},
+                    "activations": {"enabled": True, "full_tensors": False},
+                    "engine_trace": {"enabled": True}},
+        "determinism": {"compare": {"tokens": {"rule": "exact"}, "logits": {"rule": "exact"},
+                                    "activations": {"rule": "exact"}, "engine_trace": {"rule": "exact"}}},
+        "runtime": {"network_policy": "offline_required", "threads": None,
+                    "execution": {"backend": "embedded"}},
+        "outputs": {"directory": "runs/${manifest_name}/${run_id}"},
+    }
+
+
+def _safe_name(text: str) -> str:
+    cleaned = "".join(c if c.isalnum() or c in "._-" else "-" for c in text).strip("-._")
+    return cleaned or "manifest"
+
+
+def write_document(path: Path, document: dict[str, Any]) -> None:
+    """Write a manifest as YAML (``.yaml``/``.yml``) or JSON (2-space indent, key order kept)."""
+    if path.suffix.lower() in (".yaml", ".yml"):
+        text = yaml.safe_dump(document, sort_keys=False, allow_unicode=True)
+    else:
+        text = json.dumps(document, indent=2, ensure_ascii=False) + "\n"
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text, encoding="utf-8")
+    temporary.replace(path)
+
+
+def digest_bootstrap(path: Path) -> list[str]:
+    """Replace every ``sha256:unset`` digest reachable from `path` by the file's digest; returns what changed.
+
+    Digests are written into `path` itself: when they came from an x_base_manifest, the filled list (or
+    dataset entry) is written into the leaf as an override, so the base stays untouched."""
+    manifest = load_manifest(path)
+    if manifest.origin_kind == SEED_MANIFEST_KIND:
+        raise WorkflowError(f"{path}: a seed-tool manifest pins files on its endpoint; there is "
+                            "nothing to hash "
+                            "locally (run `detinf lock` directly)")
+    data = manifest.data
+    changed: list[str] = []
+    files = [dict(entry) for entry in data["model"]["files"]]
+    location = artifacts.locate_model(data["model"]["source"], manifest.base_dir)
+    for index, entry in enumerate(files):
+        if entry["digest"] == UNSET_DIGEST and location.root is not None:
+            entry["digest"] = artifacts.hash_file(location.root / entry["path"], entry["path"])
+            changed.append(f"$.model.files[{index}].digest = {entry['digest']}")
+    dataset = dict(data["inference"]["dataset"])
+    if dataset["digest"] == UNSET_DIGEST:
+        dataset["digest"] = load_dataset(dataset["source"], manifest.base_dir).digest
+        changed.append(f"$.inference.dataset.digest = {dataset['digest']}")
+    if changed:
+        document = read_document(path)
+        if files != data["model"]["files"]:
+            document.setdefault("model", {})["files"] = files
+        if dataset != data["inference"]["dataset"]:
+            document.setdefault("inference", {})["dataset"] = dataset
+        write_document(path, document)
+        load_manifest(path)  # the result must still validate
+    return changed
+
+
+def build_closure(manifest: Manifest, lock_path: Path | None, update_lock: bool) -> dict[str, Any]:
+    """Closure metadata of this environment for a manifest; optionally rewrite the lock's closure."""
+    current = closure.runtime_closure(manifest.data)
+    hardware = fingerprint.hardware_fingerprint()
+    document: dict[str, Any] = {
+        "schema_version": 1, "kind": "detinf.closure", "manifest_id": manifest.manifest_id,
+        "runtime_closure": current, "runtime_closure_digest": closure.closure_digest(current),
+        "software_digest": current["software_digest"], "hardware": hardware,
+        "hardware_digest": fingerprint.digest(hardware), "lock": None,
+    }
+    path = lock_path or manifest.default_lock_path()
+    if path.exists() or update_lock:
+        lock = load_lock(path)
+        check_lock_for(manifest, lock, path)
+        differences = closure.closure_differences(lock["runtime_closure"], current)
+        document["lock"] = {"path": str(path), "matches": not differences, "differences": differences}
+        if update_lock and differences:
+            write_lock(path, with_closure(lock, current))
+            document["lock"]["updated"] = True
+    return document

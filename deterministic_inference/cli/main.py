@@ -16,6 +16,7 @@ from deterministic_inference.errors import DetinfError
 COMMAND_MODULES = (
     "deterministic_inference.cli.engine_cmds",
     "deterministic_inference.cli.server_cmds",
+    "deterministic_inference.cli.workflow_cmds",
 )
 
 

@@ -197,7 +197,8 @@ def _documents(prepared: Prepared, result: BackendResult, options: RunOptions, b
     }
     if data["capture"]["logits"]["enabled"]:
         top_k = data["capture"]["logits"]["top_k"]
-        files["captures/logits.json"] = json_bytes(capture.logits_document(result.sequences, top_k), compact=True)
+        logits = capture.logits_document(result.sequences, top_k)
+        files["captures/logits.json"] = json_bytes(logits, compact=True)
     if result.activations is not None:
         files["captures/activations.json"] = json_bytes(result.activations, compact=True)
     if result.activation_tensors:

@@ -45,7 +45,8 @@ def json_bytes(document: Any, compact: bool = False) -> bytes:
     """The file form of JSON documents in a run dir: sorted keys, UTF-8, a final newline; indented by
     one space, or with no whitespace at all when `compact` (tokens, requests and captures)."""
     if compact:
-        text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False)
     else:
         text = json.dumps(document, sort_keys=True, indent=1, ensure_ascii=False, allow_nan=False)
     return (text + "\n").encode()

@@ -80,3 +80,14 @@ def test_stop_strings_cut_text_and_n_choices_use_derived_seeds(engine: Engine) -
         )[0].outputs[0]
         assert cut.finish_reason == "stop" and cut.stop_reason == stop
         assert cut.text == text[: text.index(stop)]
+
+
+def test_stream_yields_growing_outputs_ending_with_generate_result(engine: Engine) -> None:
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = engine.generate([[5, 6, 7]], params)[0].outputs[0]
+    seen = list(engine.stream([5, 6, 7], params))
+    assert seen[-1].finished and not any(o.finished for o in seen[:-1])
+    lengths = [len(o.outputs[0].token_ids) for o in seen]
+    assert lengths == sorted(lengths) and lengths[-1] == 6
+    assert seen[-1].outputs[0].token_ids == expected.token_ids
+    assert seen[-1].outputs[0].text == expected.text

@@ -2,7 +2,8 @@
 
 Layout::
 
-    bundle.json              written last: ids, fingerprint, and the sha256 of every other file
+    bundle.json              written last: ids, fingerprint, the sha256 of every other file, and
+                             bundle_digest (sha256 of its own canonical JSON without that field)
     manifest.used.json       the resolved manifest
     lock.used.json           the lock the run checked against
     requests.json            the requests sent (their digest is requests_digest)
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from deterministic_inference.errors import WorkflowError
-from deterministic_inference.workflow.canonical import digest_bytes, loads_strict, run_id
+from deterministic_inference.workflow.canonical import digest_bytes, digest_json, loads_strict, run_id
 from deterministic_inference.workflow.canonical import lock_id as compute_lock_id
 from deterministic_inference.workflow.canonical import manifest_id as compute_manifest_id
 
@@ -66,7 +67,8 @@ def write_run_dir(target: Path, files: dict[str, bytes], bundle: dict[str, Any])
         for name in sorted(files):
             _write_synced(temporary / name, files[name])
             digests[name] = digest_bytes(files[name])
-        _write_synced(temporary / BUNDLE_FILE, json_bytes(dict(bundle, files=digests, complete=True)))
+        record = seal_bundle(dict(bundle, files=digests, complete=True))
+        _write_synced(temporary / BUNDLE_FILE, json_bytes(record))
         _sync_dir(temporary)
         os.rename(temporary, target)
         _sync_dir(target.parent)
@@ -74,6 +76,12 @@ def write_run_dir(target: Path, files: dict[str, bytes], bundle: dict[str, Any])
         shutil.rmtree(temporary, ignore_errors=True)
         raise
     return target
+
+
+def seal_bundle(bundle: dict[str, Any]) -> dict[str, Any]:
+    """`bundle` with ``bundle_digest``: the digest of its canonical JSON without that field."""
+    unsealed = {key: value for key, value in bundle.items() if key != "bundle_digest"}
+    return dict(unsealed, bundle_digest=digest_json(unsealed))
 
 
 def _write_synced(path: Path, data: bytes) -> None:
@@ -162,6 +170,10 @@ def _read(root: Path, name: str) -> dict[str, Any]:
 
 def _check_ids(run: RunDir) -> None:
     bundle = run.bundle
+    sealed = seal_bundle(bundle)["bundle_digest"]
+    if bundle.get("bundle_digest") != sealed:
+        raise WorkflowError(f"{run.path / BUNDLE_FILE}: bundle_digest {bundle.get('bundle_digest')} does not "
+                            f"match its content ({sealed}); the run record was modified")
     checks = (("manifest_id", compute_manifest_id(run.manifest)), ("lock_id", compute_lock_id(run.lock)))
     for key, actual in checks:
         if bundle.get(key) != actual:

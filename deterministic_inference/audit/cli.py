@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,7 @@ def run_audit(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     modes = list(MODES) if args.mode == "all" else [args.mode]
-    report = run(endpoint, modes, settings)
+    report = run(endpoint, modes, settings, sys.stdout)
     if args.json is not None:
         write_report(report, args.json)
     verdict = "PASSED" if report["passed"] else "FAILED"

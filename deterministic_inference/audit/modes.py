@@ -106,7 +106,9 @@ async def _single(client: AuditClient, s: AuditSettings) -> list[Case]:
 
 async def _mixed(client: AuditClient, s: AuditSettings) -> list[Case]:
     rng = random.Random(s.seed)
-    cases = [Case(f"mixed: target {i} among random prompts", "mixed") for i in range(2)]
+    cases = [Case(f"mixed: target {i} alone and among random prompts", "mixed") for i in range(2)]
+    for index, case in enumerate(cases):  # baseline: each target alone
+        case.samples.append(await client.generate(TARGET_PROMPTS[index], s.max_tokens))
     for _ in range(s.n_trials):
         calls: list[tuple[int | None, Callable[[], Awaitable[Sample]]]] = []
         for index in range(len(cases)):

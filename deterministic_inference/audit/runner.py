@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -46,7 +45,7 @@ async def audit(
 
 
 def run(
-    endpoint: Endpoint, modes: Sequence[str], settings: AuditSettings, out: TextIO | None = sys.stdout
+    endpoint: Endpoint, modes: Sequence[str], settings: AuditSettings, out: TextIO | None = None
 ) -> dict[str, Any]:
     """Synchronous wrapper of `audit` (its own event loop)."""
     return asyncio.run(audit(endpoint, modes, settings, out))

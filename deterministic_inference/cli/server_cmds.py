@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from typing import Any
 
 from deterministic_inference.cli.options import add_engine_options, engine_config_from_args
@@ -81,5 +83,13 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(config, settings, on_load_failure=on_load_failure, on_ready=on_ready)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     holder.append(server)
+    _exit_zero_on_sigterm()
     server.run()
     return 1 if failures else 0
+
+
+def _exit_zero_on_sigterm() -> None:
+    """uvicorn drains on SIGTERM, then re-raises the signal to the previous handler; make that handler a
+    no-op so a drained shutdown exits 0 instead of dying by the signal."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)

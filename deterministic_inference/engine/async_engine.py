@@ -282,15 +282,18 @@ class AsyncEngine:
     def _serve(self, engine: Engine, sinks: dict[str, _Sink]) -> None:
         stopping = False
         while True:
-            for command in self._take_commands(block=not engine.has_unfinished and not stopping):
+            commands = self._take_commands(block=not engine.has_unfinished and not stopping)
+            for command in commands:
                 if isinstance(command, _Stop):
                     stopping = True
                 else:
                     self._apply(engine, command, sinks)
-            if engine.has_unfinished:
-                self._deliver(engine, engine.step(), sinks)
-                self._stats = engine.stats()
-            elif stopping:
+            outputs = engine.step() if engine.has_unfinished else None
+            if commands or outputs is not None:
+                self._stats = engine.stats()  # published before the outputs: clients never see stale stats
+            if outputs:
+                self._deliver(engine, outputs, sinks)
+            if stopping and not engine.has_unfinished:
                 return
 
     def _take_commands(self, block: bool) -> list[_Command]:
@@ -320,7 +323,6 @@ class AsyncEngine:
                 command.sink.put((True, command.fn(engine)))
             except DetinfError as error:
                 command.sink.put((False, error))
-            self._stats = engine.stats()
 
     def _deliver(self, engine: Engine, outputs: list[RequestOutput], sinks: dict[str, _Sink]) -> None:
         for output in outputs:

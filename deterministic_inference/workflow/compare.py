@@ -109,8 +109,8 @@ def compare_logits(tokens_a: list[dict[str, Any]], tokens_b: list[dict[str, Any]
                              "histogram": {label: 0 for _, label in ULP_BUCKETS} | {">256": 0},
                              "first_difference": None}
     for key in sorted(set(left) & set(right) & set(outputs_a) & set(outputs_b)):
-        ids_a = outputs_a[key].get("output_token_ids") or []
-        ids_b = outputs_b[key].get("output_token_ids") or []
+        ids_a = _tokens_of(outputs_a[key])
+        ids_b = _tokens_of(outputs_b[key])
         last = _shared_context_steps(ids_a, ids_b)
         for step in range(last):
             pairs = _step_pairs(left[key], right[key], step, ids_a, ids_b)
@@ -124,7 +124,12 @@ def compare_logits(tokens_a: list[dict[str, Any]], tokens_b: list[dict[str, Any]
     return stats
 
 
-def _shared_context_steps(ids_a: list[int], ids_b: list[int]) -> int:
+def _tokens_of(sequence: dict[str, Any]) -> list[Any]:
+    """Output token ids, or the token strings when the endpoint returned no ids."""
+    return list(sequence.get("output_token_ids") or sequence.get("output_tokens") or [])
+
+
+def _shared_context_steps(ids_a: list[Any], ids_b: list[Any]) -> int:
     """Number of steps whose context is the same in both runs (up to and including the first divergence)."""
     shortest = min(len(ids_a), len(ids_b))
     for step in range(shortest):
@@ -133,8 +138,8 @@ def _shared_context_steps(ids_a: list[int], ids_b: list[int]) -> int:
     return shortest
 
 
-def _step_pairs(a: dict[str, Any], b: dict[str, Any], step: int, ids_a: list[int],
-                ids_b: list[int]) -> list[tuple[str, float, float]]:
+def _step_pairs(a: dict[str, Any], b: dict[str, Any], step: int, ids_a: list[Any],
+                ids_b: list[Any]) -> list[tuple[str, float, float]]:
     pairs: list[tuple[str, float, float]] = []
     values_a, values_b = a["token_logprobs"], b["token_logprobs"]
     if step < len(values_a) and step < len(values_b) and ids_a[step] == ids_b[step]:

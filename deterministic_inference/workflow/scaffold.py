@@ -24,7 +24,10 @@ from deterministic_inference.workflow.migrate import SEED_MANIFEST_KIND
 
 
 def init_manifest(model: Path | None, n_prompts: int, max_tokens: int) -> dict[str, Any]:
-    """A manifest for `model` (None = the embedded default model), digests filled in."""
+    """A manifest for `model` (None = the embedded default model), digests filled in.
+
+    The default model is an instruct model, so its prompts go through the chat template (request kind
+    ``chat``); a model given by path gets plain completions (its template is unknown until loaded)."""
     if not 1 <= n_prompts <= 100:
         raise WorkflowError(f"--n-prompts: {n_prompts} must be between 1 and 100 (the reference prompts)")
     if not 1 <= max_tokens <= 32768:
@@ -54,7 +57,7 @@ def init_manifest(model: Path | None, n_prompts: int, max_tokens: int) -> dict[s
         "inference": {
             "dataset": {"source": REFERENCE_DATASET, "digest": REFERENCE_DATASET_DIGEST},
             "n_prompts": n_prompts,
-            "request_template": {"kind": "completion",
+            "request_template": {"kind": "chat" if model is None else "completion",
                                  "sampling": {"temperature": 0.0, "max_tokens": max_tokens, "seed": 0},
                                  "stop": {"sequences": [], "token_ids": []}},
             "batching": {"policy": "fixed", "max_num_seqs": 64, "max_num_batched_tokens": 512},

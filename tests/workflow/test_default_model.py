@@ -1,0 +1,45 @@
+"""The workflow on the real embedded default model (slow): two runs of the default manifest are
+conformant, and outputs match the committed golden input-output pairs on the same hardware class."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.workflow.helpers import detinf, read_json
+
+GOLDEN = Path(__file__).with_name("golden") / "default_greedy_chat.json"
+
+
+@pytest.mark.slow
+def test_default_manifest_runs_are_conformant_and_match_golden(tmp_path: Path) -> None:
+    golden = read_json(GOLDEN)
+    manifest = tmp_path / "default.json"
+    settings = golden["manifest"]
+    made = detinf("init", "--output", manifest, "--n-prompts", str(settings["n_prompts"]),
+                  "--max-tokens", str(settings["max_tokens"]))
+    assert made.code == 0, made.err
+    assert read_json(manifest)["model"]["source"] == {"type": "default"}
+    assert detinf("lock", "--config", manifest).code == 0
+    for name in ("a", "b"):
+        ran = detinf("run", "--config", manifest, "--output-dir", tmp_path / name)
+        assert ran.code == 0, ran.err
+    verified = detinf("verify", "--bundle-a", tmp_path / "a", "--bundle-b", tmp_path / "b",
+                      "--output-dir", tmp_path / "v")
+    assert verified.code == 0, verified.out
+    report = read_json(tmp_path / "v" / "verify_report.json")
+    assert report["grade"] == "conformant"
+    assert report["outputs"]["logits"]["compared"] > 0
+    assert report["outputs"]["activations"]["compared_rows"] > 0
+
+    record = read_json(tmp_path / "a" / "bundle.json")
+    recorded = golden["recorded_with"]
+    keys = ("model", "numerics", "hardware")
+    same_class = all(record["fingerprint"][key] == recorded[key] for key in keys)
+    if not same_class:
+        pytest.skip("golden pairs were recorded on another hardware class / numerics; runs were conformant")
+    sequences = read_json(tmp_path / "a" / "tokens.json")["sequences"]
+    fields = ("request_id", "prompt_token_ids", "output_token_ids", "text")
+    expected = [[s[f] for f in fields] for s in golden["sequences"]]
+    assert [[s[f] for f in fields] for s in sequences] == expected

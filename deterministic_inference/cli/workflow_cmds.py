@@ -1,4 +1,5 @@
-"""Workflow commands: init, digest-bootstrap, lock, build, run, verify, bundle, inspect.
+"""Workflow commands: init, digest-bootstrap, lock, build, run, verify, bundle, inspect, and the
+``--config`` option of ``serve``.
 
 Each command is thin: it parses options, calls the workflow module, prints one line per result (or JSON)
 and returns the exit code. Errors of the package become one line on stderr with exit code 2 (cli.main).
@@ -8,8 +9,10 @@ and returns the exit code. Errors of the package become one line on stderr with 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,7 @@ def register(subparsers: Any) -> None:
     _verify(subparsers)
     _bundle(subparsers)
     _inspect(subparsers)
+    _serve_config(subparsers)
 
 
 def _config(parser: argparse.ArgumentParser) -> None:
@@ -225,6 +229,38 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         print("\n".join(summary_lines(summary)))
     return 0
+
+
+def _serve_config(subparsers: Any) -> None:
+    """Give `detinf serve` (registered by the server commands) a ``--config MANIFEST`` option: serve what
+    the manifest pins, after the same lock, hardware and artifact-digest checks as `run`."""
+    serve = getattr(subparsers, "choices", {}).get("serve")
+    if serve is None:
+        return
+    serve.add_argument("--config", type=Path, default=None,
+                       help="serve what this manifest pins (checks its lock and artifact digests first)")
+    serve.add_argument("--lock", type=Path, default=None, help="lock of --config (default: next to it)")
+    original = serve.get_default("func")
+
+    def serve_with_config(args: argparse.Namespace) -> int:
+        if args.config is None:
+            return int(original(args))
+        from deterministic_inference.workflow.network import offline_guard
+        from deterministic_inference.workflow.serve_config import apply_manifest
+
+        policy, env = apply_manifest(args)
+        with _process_env(env), offline_guard() if policy == "offline_required" else contextlib.nullcontext():
+            return int(original(args))
+
+    serve.set_defaults(func=serve_with_config)
+
+
+@contextlib.contextmanager
+def _process_env(env: dict[str, str]) -> Iterator[None]:
+    from deterministic_inference.workflow.run import applied_env
+
+    with applied_env(env):
+        yield
 
 
 def _warn(warnings: tuple[str, ...]) -> None:

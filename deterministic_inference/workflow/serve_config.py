@@ -1,0 +1,58 @@
+"""``detinf serve --config MANIFEST``: serve what a manifest pins.
+
+The manifest and its lock go through the same checks as ``detinf run`` (lock integrity and ownership,
+hardware constraints, dataset and model-file digests, closure), then the serve command's engine options
+are set from the manifest. Numerics the serve options cannot express (tile and KV-block sizes other than
+the engine defaults) are refused rather than served differently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from deterministic_inference.config import EngineConfig
+from deterministic_inference.errors import WorkflowError
+from deterministic_inference.workflow.manifest import load_manifest
+from deterministic_inference.workflow.run import RunOptions, prepare
+
+_FIXED_NUMERICS = ("linear_tile_rows", "attention_kv_tile", "kv_block_size")
+
+
+def apply_manifest(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
+    """Check the manifest and set the serve options from it; returns (network policy, runtime env)."""
+    if args.model is not None:
+        raise WorkflowError("--model: give either --config or --model, not both (the manifest pins it)")
+    manifest = load_manifest(args.config)
+    for warning in manifest.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    data = manifest.data
+    if data["model"]["source"]["type"] == "remote":
+        raise WorkflowError(f"{manifest.path}: $.model.source: a remote model cannot be served here; "
+                            "point model.source at a local model")
+    prepared = prepare(manifest, RunOptions(lock_path=args.lock), sys.stderr)
+    engine, batching = data["engine"], data["inference"]["batching"]
+    defaults = EngineConfig()
+    for name in _FIXED_NUMERICS:
+        if engine[name] != getattr(defaults, name):
+            raise WorkflowError(f"{manifest.path}: $.engine.{name}: {engine[name]} differs from the engine "
+                                f"default {getattr(defaults, name)}, which `detinf serve` cannot change; "
+                                "use the default or run the manifest with `detinf run`")
+    path = prepared.location.engine_path
+    settings: dict[str, Any] = {
+        "model": str(path) if path is not None else None,
+        "dtype": engine["dtype"],
+        "no_batch_invariant": not engine["batch_invariant"],
+        "no_prefix_cache": not batching["enable_prefix_caching"],
+        "max_num_seqs": batching["max_num_seqs"],
+        "max_num_batched_tokens": batching["max_num_batched_tokens"],
+        "max_model_len": engine["max_model_len"],
+        "num_kv_blocks": engine["num_kv_blocks"],
+        "threads": data["runtime"]["threads"],
+        "default_seed": engine["seed"],
+        "no_selfcheck": not engine["selfcheck"],
+    }
+    for name, value in settings.items():
+        setattr(args, name, value)
+    return str(data["runtime"]["network_policy"]), dict(data["runtime"]["env"])

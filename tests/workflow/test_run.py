@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from deterministic_inference.workflow.dataset import dataset_path
 from deterministic_inference.workflow.rundir import load_run_dir
@@ -128,3 +131,17 @@ def test_bundle_is_byte_identical_and_verifiable(tiny_manifest: Path, tmp_path: 
     assert result.code == 0 and "conformant" in result.out
     summary = detinf("inspect", "--input", tmp_path / "one.tar.gz")
     assert summary.code == 0 and "type: run" in summary.out and "sequences: 3" in summary.out
+
+
+
+def test_full_activation_tensors_on_request(tiny_manifest: Path, tmp_path: Path) -> None:
+    edit_manifest(tiny_manifest, {"capture": {"activations": {"enabled": True, "full_tensors": True}}})
+    assert detinf("lock", "--config", tiny_manifest).code == 0
+    assert detinf("run", "--config", tiny_manifest, "--output-dir", tmp_path / "run").code == 0
+    run = load_run_dir(tmp_path / "run")
+    tensors = load_file(str(tmp_path / "run" / "captures" / "activations.safetensors"))
+    first = run.read_json("captures/activations.json")["sequences"][0]
+    rows = tensors["req-0000-0/layer02"]  # final norm output of the first sequence
+    assert rows.shape == (len(first["positions"]), 64)  # every position, hidden size 64
+    row_bytes = rows[3].contiguous().view(torch.uint8).numpy().tobytes()
+    assert hashlib.sha256(row_bytes).hexdigest() == first["digests"][3][2]

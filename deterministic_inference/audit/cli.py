@@ -34,6 +34,12 @@ def register_audit(subparsers: Any) -> None:
     )
     parser.add_argument("--seeds", type=int, default=4, help="seeds of the sampling mode (default 4)")
     parser.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampling mode")
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=1024,
+        help="longest shared prefix in prefix/radix (default 1024)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the audit's random prompts")
     parser.add_argument(
         "--chat", action="store_true", help="use /v1/chat/completions instead of /v1/completions"
@@ -51,7 +57,7 @@ def run_audit(args: argparse.Namespace) -> int:
     from deterministic_inference.audit.client import AuditError, Endpoint
     from deterministic_inference.audit.runner import run, write_report
 
-    for name in ("n_trials", "concurrency", "requests", "max_tokens", "seeds"):
+    for name in ("n_trials", "concurrency", "requests", "max_tokens", "seeds", "max_prompt_tokens"):
         if getattr(args, name) < 1:
             raise AuditError(f"--{name.replace('_', '-')} must be >= 1")
     endpoint = Endpoint(
@@ -70,6 +76,7 @@ def run_audit(args: argparse.Namespace) -> int:
         seeds=args.seeds,
         temperature=args.temperature,
         seed=args.seed,
+        max_prompt_tokens=args.max_prompt_tokens,
     )
     modes = list(MODES) if args.mode == "all" else [args.mode]
     report = run(endpoint, modes, settings, sys.stdout)

@@ -37,6 +37,7 @@ class AuditSettings:
     temperature: float = 0.8  # of the sampling mode
     seed: int = 0  # seed of the audit's own random prompts
     default_max_model_len: int = 2048  # context assumed when the server does not say
+    max_prompt_tokens: int = 1024  # longest shared prefix of prefix/radix (also clipped to the context)
 
 
 @dataclass
@@ -129,12 +130,12 @@ async def _mixed(client: AuditClient, s: AuditSettings) -> list[Case]:
 async def _calibrated_text(client: AuditClient, s: AuditSettings) -> str:
     """A long shared text clipped so prompts built on it (plus max_tokens) fit the context."""
     context = client.max_model_len or s.default_max_model_len
-    budget = max(context - 2 * s.max_tokens - 32, 8)
+    budget = max(min(context - 2 * s.max_tokens - 32, s.max_prompt_tokens), 8)
     text = long_text(s.seed, 4 * budget)
     probe_text = text[:400]
     probe = await client.generate(probe_text, 1)
     ratio = (probe.prompt_token_count or len(probe_text)) / len(probe_text)  # tokens per character
-    chars = int(min(len(text), budget * 0.6 / max(ratio, 1e-3)))
+    chars = int(min(len(text), budget * 0.8 / max(ratio, 1e-3)))
     return text[:chars]
 
 

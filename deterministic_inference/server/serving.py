@@ -199,12 +199,12 @@ def created_now() -> int:
     return int(time.time())
 
 
-def response_meta(ctx: ServingContext, object_name: str, response_id: str, model: str) -> dict[str, Any]:
+def response_meta(fingerprint: str, object_name: str, response_id: str, model: str) -> dict[str, Any]:
     """Fields every OpenAI response and chunk starts with."""
     return {
         "id": response_id,
         "object": object_name,
         "created": created_now(),
         "model": model,
-        "system_fingerprint": ctx.info().system_fingerprint,
+        "system_fingerprint": fingerprint,
     }

@@ -55,13 +55,13 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     view = _ChatView(info.tokenizer, num_top)
     if body.stream:
-        generator = _stream(ctx, tracked, view, response_id, model, body.include_usage)
+        generator = _stream(info.system_fingerprint, tracked, view, response_id, model, body.include_usage)
         return StreamingResponse(generator, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         output = await unless_disconnected(request, tracked.result())
     finally:
         tracked.close()
-    document = response_meta(ctx, "chat.completion", response_id, model)
+    document = response_meta(info.system_fingerprint, "chat.completion", response_id, model)
     document["choices"] = [view.choice(choice) for choice in output.outputs]
     document["usage"] = _usage(output)
     return json_response(document)
@@ -104,7 +104,7 @@ def _usage(output: RequestOutput) -> dict[str, Any]:
 
 
 async def _stream(
-    ctx: ServingContext,
+    fingerprint: str,
     tracked: Tracked,
     view: _ChatView,
     response_id: str,
@@ -115,7 +115,7 @@ async def _stream(
     done: set[int] = set()
 
     def chunk(choices: list[dict[str, Any]]) -> str:
-        document = response_meta(ctx, "chat.completion.chunk", response_id, model)
+        document = response_meta(fingerprint, "chat.completion.chunk", response_id, model)
         document["choices"] = choices
         if include_usage:
             document["usage"] = None
@@ -151,7 +151,7 @@ async def _stream(
                     }
                     yield chunk([finish])
         if include_usage and tracked.final is not None:
-            final = response_meta(ctx, "chat.completion.chunk", response_id, model)
+            final = response_meta(fingerprint, "chat.completion.chunk", response_id, model)
             final["choices"] = []
             final["usage"] = _usage(tracked.final)
             yield sse_event(final)

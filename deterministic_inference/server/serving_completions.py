@@ -44,7 +44,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     body.reject_unsupported()
     model = ctx.check_model(body.model)
-    tokenizer = ctx.info().tokenizer
+    info = ctx.info()
+    tokenizer = info.tokenizer
     echo = bool(body.echo)
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
     prompt_logprobs = body.logprobs if echo and body.logprobs is not None else None
@@ -55,7 +56,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     view = _CompletionView(tokenizer, body, prompts, params.n)
     if body.stream:
         return StreamingResponse(
-            _stream(ctx, tracked, view, response_id, model),
+            _stream(info.system_fingerprint, tracked, view, response_id, model),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
@@ -66,7 +67,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     choices = [
         view.choice(i, output, choice) for i, output in enumerate(outputs) for choice in output.outputs
     ]
-    document = response_meta(ctx, "text_completion", response_id, model)
+    document = response_meta(info.system_fingerprint, "text_completion", response_id, model)
     document["choices"] = choices
     document["usage"] = _usage(outputs)
     return json_response(document)
@@ -158,7 +159,7 @@ class _ChoiceProgress:
 
 
 async def _stream(
-    ctx: ServingContext, tracked: list[Tracked], view: _CompletionView, response_id: str, model: str
+    fingerprint: str, tracked: list[Tracked], view: _CompletionView, response_id: str, model: str
 ) -> AsyncIterator[str]:
     include_usage = view.include_usage
     progress: dict[tuple[int, int], _ChoiceProgress] = {}
@@ -168,13 +169,13 @@ async def _stream(
                 state = progress.setdefault((index, choice.index), _ChoiceProgress())
                 piece = _delta(view, index, output, choice, state)
                 if piece is not None:
-                    chunk = response_meta(ctx, "text_completion", response_id, model)
+                    chunk = response_meta(fingerprint, "text_completion", response_id, model)
                     chunk["choices"] = [piece]
                     if include_usage:
                         chunk["usage"] = None
                     yield sse_event(chunk)
         if include_usage:
-            final = response_meta(ctx, "text_completion", response_id, model)
+            final = response_meta(fingerprint, "text_completion", response_id, model)
             final["choices"] = []
             final["usage"] = _usage([item.final for item in tracked if item.final is not None])
             yield sse_event(final)

@@ -163,21 +163,25 @@ async def _prefix(client: AuditClient, s: AuditSettings) -> list[Case]:
 async def _radix(client: AuditClient, s: AuditSettings) -> list[Case]:
     shared = await _calibrated_text(client, s)
     prompt = shared[: len(shared) // 2] + " The end."
-    scorer = client.generate if client.endpoint.chat else None
-    case = Case("radix: scoring cold vs cache hit vs after flush", "radix")
-    hits = []
+    generation = Case("radix: generation cold vs cache hit vs after flush", "radix")
+    cases = [generation]
+    if not client.endpoint.chat:  # chat has no echo: scoring needs /completions
+        cases.append(Case("radix: scoring (prompt logprobs) cold vs cache hit vs after flush", "radix"))
     for _ in range(s.n_trials):
         flushed = await client.flush_cache()
-        for _ in range(2):  # cold (after a flush), then a cache hit
-            sample = await (scorer(prompt, s.max_tokens) if scorer else client.score(prompt))
-            case.samples.append(sample)
-            hits.append(sample.cached_tokens)
+        for _ in range(2):  # cold (after a flush), then with the prompt cached
+            generation.samples.append(await client.generate(prompt, s.max_tokens))
+        if len(cases) > 1:
+            flushed = await client.flush_cache() and flushed
+            cases[1].samples += [await client.score(prompt), await client.score(prompt)]
         if not flushed:
-            case.notes.append("server has no /flush_cache: only cache hits were compared")
+            for case in cases:
+                case.notes.append("server has no /flush_cache: only cache hits were compared")
             break
-    if any(h for h in hits if h):
-        case.notes.append(f"cached prompt tokens reported: {sorted({h for h in hits if h is not None})}")
-    return [case]
+    for case in cases:
+        hits = sorted({h for h in (x.cached_tokens for x in case.samples) if h})
+        case.notes.append(f"cached prompt tokens reported: {hits}" if hits else "no cache hit reported")
+    return cases
 
 
 async def _concurrency(client: AuditClient, s: AuditSettings) -> list[Case]:

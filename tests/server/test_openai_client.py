@@ -218,3 +218,34 @@ def test_metrics_exposition(tiny_server: RunningServer) -> None:
         assert f"\n{name}" in text, name
     flushed = httpx.post(tiny_server.base_url + "/flush_cache").json()
     assert flushed["flushed_blocks"] >= 0
+
+
+def test_stop_string_stream_equals_non_stream(tiny_server: RunningServer) -> None:
+    """Text held back while a stop string may be forming never leaks into the stream."""
+    api = client(tiny_server)
+    kwargs: dict[str, Any] = dict(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, stop=["oo"])
+    full = api.completions.create(**kwargs)
+    assert full.choices[0].finish_reason == "stop" and "oo" not in full.choices[0].text
+    assert full.choices[0].model_extra["stop_reason"] == "oo"  # type: ignore[index]
+    streamed = "".join(c.choices[0].text for c in api.completions.create(**kwargs, stream=True) if c.choices)
+    assert streamed == full.choices[0].text
+
+
+def test_lm_eval_style_scoring_request(tiny_server: RunningServer) -> None:
+    """lm-eval-harness `local-completions` loglikelihood: token-id prompts, echo, logprobs=1, max_tokens=1."""
+    body = {
+        "model": MODEL,
+        "prompt": [[0, 40, 41, 42], [0, 50]],
+        "echo": True,
+        "logprobs": 1,
+        "max_tokens": 1,
+        "temperature": 0,
+        "seed": 1234,
+    }
+    out = httpx.post(tiny_server.v1 + "/completions", json=body, timeout=60).json()
+    for choice, length in zip(out["choices"], (4, 2), strict=True):
+        logprobs = choice["logprobs"]
+        assert len(logprobs["token_logprobs"]) == length + 1
+        assert logprobs["token_logprobs"][0] is None
+        for value, top in zip(logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:], strict=True):
+            assert value <= max(top.values())  # the chosen token is never above the best alternative

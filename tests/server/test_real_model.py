@@ -28,7 +28,10 @@ def test_serve_defaults_match_the_readme() -> None:
 
 @pytest.fixture(scope="module")
 def real_server() -> Iterator[RunningServer]:
-    with subprocess_server(["--num-kv-blocks", "1024", "--log-level", "warning"]) as (server, process):
+    with subprocess_server(["--num-kv-blocks", "1024", "--threads", "1", "--log-level", "warning"]) as (
+        server,
+        process,
+    ):
         yield server
     assert process.returncode == 0  # SIGTERM at exit drained and exited 0
 
@@ -86,7 +89,7 @@ def test_concurrent_requests_are_one_output(real_server: RunningServer) -> None:
     assert len(asyncio.run(run())) == 1
 
 
-@pytest.mark.parametrize("mode", ["mixed", "prefix"])
+@pytest.mark.parametrize("mode", ["mixed", "radix"])
 def test_audit_passes_on_the_real_model(real_server: RunningServer, mode: str, tmp_path: Path) -> None:
     report = tmp_path / "audit.json"
     small = ["--n-trials", "1", "--concurrency", "4", "--max-tokens", "6", "--max-prompt-tokens", "64"]

@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "deterministic_inference.cli.engine_cmds",
     "deterministic_inference.cli.server_cmds",
     "deterministic_inference.cli.workflow_cmds",
+    "deterministic_inference.cli.selfcheck_cmd",
 )
 
 

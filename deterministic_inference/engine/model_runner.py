@@ -120,12 +120,14 @@ class ModelRunner:
                 ]
             )
             groups.append(
-                AttentionGroup(
-                    row_index=row_index,
-                    query_positions=query_positions,
-                    key_slots=key_slots,
-                    seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-                    seq_lens_list=tuple(seq_lens),
+                AttentionGroup.build(
+                    row_index,
+                    query_positions,
+                    key_slots,
+                    tuple(seq_lens),
+                    group_size=self.model.spec.group_size,
+                    tile_rows=self.model.numerics.tile_rows,
+                    kv_tile=kv_tile,
                 )
             )
         return tuple(groups)

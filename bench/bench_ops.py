@@ -1,0 +1,225 @@
+"""Op-level costs of the batch-invariant path at SmolLM2-135M shapes (random weights of the real shapes).
+
+Run by hand (not a test):
+    .venv/bin/python bench/bench_ops.py [--section linear attention activation step] [--threads 1]
+
+Every table compares variants timed side by side in one run (interleaved rounds, best round kept), so
+read the ratios; absolute times move with the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from deterministic_inference.engine.model_runner import ModelRunner
+from deterministic_inference.engine.plan import ScheduledChunk, StepPlan
+from deterministic_inference.model.llama import DecoderModel, Numerics
+from deterministic_inference.model.loader import expected_shapes
+from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.ops.activation import silu_mul
+from deterministic_inference.ops.attention import AttentionGroup, AttentionMetadata, paged_attention
+from deterministic_inference.ops.linear import Linear
+
+SMOLLM2 = ModelSpec(
+    architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+    num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+    max_position_embeddings=8192, tie_word_embeddings=True,
+)  # fmt: skip
+BLOCK = 16
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def best_times(fns: dict[str, Callable[[], object]], rounds: int, inner: int = 1) -> dict[str, float]:
+    """Best-of-`rounds` milliseconds per call, variants interleaved round by round."""
+    best = {name: float("inf") for name in fns}
+    for fn in fns.values():
+        fn()  # warm-up
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / inner * 1e3)
+    return best
+
+
+def print_row(label: str, times: dict[str, float], base: str) -> None:
+    cells = " | ".join(f"{times[name]:.3f} ({times[name] / times[base]:.2f}x)" for name in times)
+    print(f"| {label} | {cells} |", flush=True)
+
+
+def bench_linear(rounds: int) -> None:
+    """Invariant linears (mkldnn prepacked / aten, padded to T) vs plain F.linear, per layer shape."""
+    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+    print("\n### linear: ms per call (ratio to plain F.linear of the same dtype)")
+    print("| dtype M shape | plain | mkldnn T=4 | mkldnn T=8 | aten T=4 |\n|---|---|---|---|---|")
+    for dtype_name, dtype in DTYPES.items():
+        for rows in (1, 8, 32, 128, 512):
+            totals: dict[str, float] = {}
+            for out_f, in_f in shapes.values():
+                weight = (torch.randn(out_f, in_f) / in_f**0.5).to(dtype)
+                x = torch.randn(rows, in_f).to(dtype)
+                variants = {
+                    "plain": Linear(weight, None, tile_rows=4, batch_invariant=False),
+                    "mkldnn4": Linear(weight, None, tile_rows=4, batch_invariant=True),
+                    "mkldnn8": Linear(weight, None, tile_rows=8, batch_invariant=True),
+                    "aten4": Linear(weight, None, tile_rows=4, batch_invariant=True, backend="aten"),
+                }
+                times = best_times(
+                    {k: (lambda lin=v, x=x: lin(x)) for k, v in variants.items()}, rounds, inner=3
+                )
+                for key, value in times.items():
+                    totals[key] = totals.get(key, 0.0) + value
+            print_row(f"{dtype_name} M={rows} layer", totals, "plain")
+    head = torch.randn(SMOLLM2.vocab_size, 576) / 24
+    for rows in (1, 8, 32):
+        x = torch.randn(rows, 576)
+        variants = {
+            "plain": Linear(head, None, tile_rows=4, batch_invariant=False),
+            "mkldnn4": Linear(head, None, tile_rows=4, batch_invariant=True),
+            "mkldnn8": Linear(head, None, tile_rows=8, batch_invariant=True),
+            "aten4": Linear(head, None, tile_rows=4, batch_invariant=True, backend="aten"),
+        }
+        times = best_times({k: (lambda lin=v, x=x: lin(x)) for k, v in variants.items()}, rounds)
+        print_row(f"fp32 M={rows} lm_head", times, "plain")
+
+
+def _attention_inputs(
+    num_seqs: int, n: int, context: int, dtype: torch.dtype, kv_tile: int, tile_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random cache holding `num_seqs` sequences of `context` keys in scattered blocks; n queries each."""
+    spec = SMOLLM2
+    blocks_per_seq = -(-context // BLOCK)
+    num_blocks = num_seqs * blocks_per_seq + 1
+    shape = (num_blocks * BLOCK, spec.num_kv_heads, spec.head_dim)
+    k_cache, v_cache = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    order = (torch.randperm(num_blocks - 1) + 1).view(num_seqs, blocks_per_seq)
+    padded_len = -(-context // kv_tile) * kv_tile
+    key = torch.arange(padded_len)
+    block_of_key = torch.clamp(key // BLOCK, max=blocks_per_seq - 1)
+    slots = order[:, block_of_key] * BLOCK + key % BLOCK  # [S, Lp]
+    slots = torch.where(key < context, slots, torch.zeros_like(slots))
+    row_index = torch.arange(num_seqs * n).view(num_seqs, n)
+    positions = torch.arange(context - n, context).expand(num_seqs, n)
+    group = AttentionGroup.build(
+        row_index, positions, slots, (context,) * num_seqs,
+        group_size=spec.group_size, tile_rows=tile_rows, kv_tile=kv_tile,
+    )  # fmt: skip
+    meta = AttentionMetadata(torch.zeros(num_seqs * n, dtype=torch.int64), (group,), num_seqs * n)
+    q = torch.randn(num_seqs * n, spec.num_heads, spec.head_dim).to(dtype)
+    return q, k_cache, v_cache, meta
+
+
+def bench_attention(rounds: int) -> None:
+    """Invariant tiled attention (B, T) vs per-sequence SDPA (batch_invariant=False), one layer."""
+    cases = [(8, 1, 128), (8, 1, 512), (32, 1, 128), (32, 1, 512), (1, 128, 128), (1, 512, 512)]
+    configs = [(32, 8), (64, 4), (64, 8), (128, 4)]
+    print("\n### attention, one layer: ms per call (ratio to per-sequence SDPA)")
+    header = " | ".join(f"inv B={b} T={t}" for b, t in configs)
+    print(f"| dtype S x n @ context | sdpa | {header} |\n|---|---|" + "---|" * len(configs))
+    for dtype_name, dtype in DTYPES.items():
+        for num_seqs, n, context in cases:
+            fns: dict[str, Callable[[], object]] = {}
+            for name, (kv_tile, tile_rows), invariant in [
+                ("sdpa", configs[0], False),
+                *((f"B{b}T{t}", (b, t), True) for b, t in configs),
+            ]:
+                q, k_cache, v_cache, meta = _attention_inputs(num_seqs, n, context, dtype, kv_tile, tile_rows)
+                fns[name] = lambda q=q, k=k_cache, v=v_cache, m=meta, b=kv_tile, t=tile_rows, i=invariant: (
+                    paged_attention(q, k, v, m, scale=0.125, kv_tile=b, tile_rows=t, batch_invariant=i)
+                )
+            print_row(f"{dtype_name} {num_seqs}x{n} @ {context}", best_times(fns, rounds), "sdpa")
+
+
+def bench_activation(rounds: int) -> None:
+    """silu_mul written with exp (invariant) vs F.silu(gate) * up."""
+    print("\n### silu_mul [M, 1536]: ms per call (ratio to F.silu * up)")
+    print("| dtype M | plain | invariant |\n|---|---|---|")
+    for dtype_name, dtype in DTYPES.items():
+        for rows in (8, 32, 512):
+            gate_up = (torch.randn(rows, 3072) * 3).to(dtype)
+            gate, up = gate_up[:, :1536], gate_up[:, 1536:]
+            fns = {
+                "plain": lambda g=gate, u=up: F.silu(g) * u,
+                "inv": lambda g=gate, u=up: silu_mul(g, u, batch_invariant=True),
+            }
+            print_row(f"{dtype_name} M={rows}", best_times(fns, rounds, inner=5), "plain")
+
+
+def random_weights(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random fp32 weights of every shape the architecture needs (norm weights near 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in expected_shapes(spec).items():
+        if name.endswith("norm.weight"):
+            weights[name] = 1.0 + 0.1 * torch.randn(shape, generator=generator)
+        else:
+            weights[name] = torch.randn(shape, generator=generator) / shape[-1] ** 0.5
+    return weights
+
+
+def _step_plan(num_seqs: int, n: int, context: int) -> StepPlan:
+    """Each of `num_seqs` sequences computes its last `n` of `context` tokens (disjoint KV blocks)."""
+    blocks_per_seq = -(-context // BLOCK)
+    chunks = tuple(
+        ScheduledChunk(
+            request_id=f"r{seq}",
+            token_ids=tuple(range(100, 100 + n)),
+            start_position=context - n,
+            block_ids=tuple(range(1 + seq * blocks_per_seq, 1 + (seq + 1) * blocks_per_seq)),
+            sample=True,
+            all_logits=False,
+        )  # fmt: skip
+        for seq in range(num_seqs)
+    )
+    return StepPlan(step_id=0, chunks=chunks)
+
+
+def bench_step(rounds: int, cases: list[tuple[int, int, int]]) -> None:
+    """One full model step (30 layers + logits head) for several numerics, ratio to plain bf16."""
+    weights = random_weights(SMOLLM2)
+    numerics = {
+        "plain-bf16": Numerics(torch.bfloat16, False, 4, 64),
+        "inv-bf16-T4-B64": Numerics(torch.bfloat16, True, 4, 64),
+        "inv-bf16-T8-B32": Numerics(torch.bfloat16, True, 8, 32),
+        "plain-fp32": Numerics(torch.float32, False, 4, 64),
+        "inv-fp32-T4-B64": Numerics(torch.float32, True, 4, 64),
+    }
+    runners = {}
+    for name, numeric in numerics.items():
+        model = DecoderModel(SMOLLM2, weights, numeric, max_positions=2048)
+        runners[name] = ModelRunner(model, num_blocks=32 * 2048 // BLOCK // 4 + 1, block_size=BLOCK)
+    print("\n### model step (30 layers + head): ms per step (ratio to plain-bf16)")
+    print("| S x n @ context | " + " | ".join(numerics) + " |\n|---|" + "---|" * len(numerics))
+    for num_seqs, n, context in cases:
+        plan = _step_plan(num_seqs, n, context)
+        fns = {name: (lambda r=runner, p=plan: r.execute(p)) for name, runner in runners.items()}
+        print_row(f"{num_seqs}x{n} @ {context}", best_times(fns, rounds), "plain-bf16")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--section", nargs="+", default=["linear", "attention", "activation", "step"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    if "linear" in args.section:
+        bench_linear(args.rounds)
+    if "attention" in args.section:
+        bench_attention(args.rounds)
+    if "activation" in args.section:
+        bench_activation(args.rounds)
+    if "step" in args.section:
+        steps = [(8, 1, 256), (32, 1, 128), (32, 1, 512), (1, 128, 128), (1, 512, 512)]
+        bench_step(max(2, args.rounds // 2), steps)
+
+
+if __name__ == "__main__":
+    main()

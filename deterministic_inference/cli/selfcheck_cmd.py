@@ -1,0 +1,49 @@
+"""`detinf selfcheck`: run the start-up batch-invariance probes for a model on this machine and print them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from deterministic_inference.config import DTYPES, EngineConfig
+
+
+def register(subparsers: Any) -> None:
+    """Adds `selfcheck`."""
+    parser = subparsers.add_parser(
+        "selfcheck", help="probe batch invariance of every op at a model's shapes on this machine"
+    )
+    parser.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)"
+    )
+    parser.add_argument("--dtype", default="auto", choices=DTYPES, help="weights/activations dtype")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.set_defaults(func=run_selfcheck_command)
+
+
+def run_selfcheck_command(args: argparse.Namespace) -> int:
+    """Exit 0 when every probe is bitwise equal, 1 when one differs (the table names it)."""
+    import torch
+
+    from deterministic_inference.engine.setup import resolve_dtype
+    from deterministic_inference.model.llama import Numerics
+    from deterministic_inference.model.loader import load_model
+    from deterministic_inference.ops.selfcheck import run_selfcheck
+
+    config = EngineConfig(model=args.model, dtype=args.dtype, threads=args.threads)  # validates
+    dtype_name = resolve_dtype(config.dtype)
+    numerics = Numerics(
+        dtype=getattr(torch, dtype_name),
+        batch_invariant=True,
+        tile_rows=config.linear_tile_rows,
+        kv_tile=config.attention_kv_tile,
+    )
+    spec = load_model(config.model).spec
+    report = run_selfcheck(spec, numerics, config.threads)
+    if args.json:
+        print(json.dumps(report.to_dict(), sort_keys=True))
+    else:
+        print(report.table())
+    return 0 if report.ok else 1

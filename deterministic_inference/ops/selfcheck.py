@@ -1,0 +1,357 @@
+"""Start-up self-check: probe every batch-invariant op at a model's real shapes on this machine.
+
+Invariance is a property of the kernels torch picks on this CPU, not of our code alone, so before
+serving in invariant mode the engine runs these probes (random weights of the real shapes; a few
+seconds for SmolLM2-135M) and refuses to start, naming the op and shape, if any probe differs:
+
+- row ops (linears incl. the fp32 logits head, RMSNorm, silu_mul, rotary): a row computed alone with
+  one thread vs the same row inside batches of several sizes, at the first, a middle and the last
+  position, among random neighbours, with the configured thread count;
+- exp: its scalar and vectorised kernels agree (silu_mul relies on it);
+- attention: every query row of a sequence computed in one prefill vs in chunks of 7 and 16, as a
+  one-row decode alone, decoded in a group with longer and shorter sequences, and prefilled beside
+  another sequence's chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deterministic_inference.errors import SelfCheckError
+from deterministic_inference.model.llama import Numerics
+from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.ops.activation import silu_mul
+from deterministic_inference.ops.attention import AttentionGroup, AttentionMetadata, paged_attention
+from deterministic_inference.ops.linear import Linear
+from deterministic_inference.ops.norm import rms_norm
+from deterministic_inference.ops.rope import RotaryTable
+
+PROBE_ROWS = 2  # random rows probed per row op
+BLOCK_SIZE = 16  # KV-cache block size of the attention probe (slots are gathered, any size works)
+RowFn = Callable[[torch.Tensor], torch.Tensor]  # [M, K] -> [M, N]
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One probe: the op, its shape, whether every compared row was bitwise equal, and what was run."""
+
+    op: str
+    shape: str
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class SelfCheckReport:
+    """Every probe of one self-check run, with the settings it ran under."""
+
+    results: tuple[ProbeResult, ...]
+    dtype: str
+    batch_invariant: bool
+    tile_rows: int
+    kv_tile: int
+    threads: int
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        """True when every probe passed."""
+        return all(result.ok for result in self.results)
+
+    @property
+    def failures(self) -> tuple[ProbeResult, ...]:
+        """The probes that differed."""
+        return tuple(result for result in self.results if not result.ok)
+
+    def table(self) -> str:
+        """A fixed-width text table, one line per probe, then a summary line."""
+        op_width = max(len("op"), *(len(r.op) for r in self.results))
+        shape_width = max(len("shape"), *(len(r.shape) for r in self.results))
+        lines = [f"{'op':<{op_width}}  {'shape':<{shape_width}}  ok    detail"]
+        for r in self.results:
+            lines.append(
+                f"{r.op:<{op_width}}  {r.shape:<{shape_width}}  {'ok' if r.ok else 'FAIL':<4}  {r.detail}"
+            )
+        verdict = "all probes bitwise equal" if self.ok else f"{len(self.failures)} probe(s) FAILED"
+        lines.append(
+            f"{verdict}: dtype {self.dtype}, batch_invariant {self.batch_invariant}, tile_rows "
+            f"{self.tile_rows}, kv_tile {self.kv_tile}, threads {self.threads}, {self.seconds:.1f} s"
+        )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict."""
+        return {
+            "ok": self.ok,
+            "dtype": self.dtype,
+            "batch_invariant": self.batch_invariant,
+            "tile_rows": self.tile_rows,
+            "kv_tile": self.kv_tile,
+            "threads": self.threads,
+            "seconds": round(self.seconds, 3),
+            "probes": [vars(r).copy() for r in self.results],
+        }
+
+    def raise_if_failed(self) -> None:
+        """Raise SelfCheckError naming every failed op and shape."""
+        if self.ok:
+            return
+        failed = "; ".join(f"{r.op} {r.shape}: {r.detail}" for r in self.failures)
+        raise SelfCheckError(
+            f"batch-invariance self-check failed on this machine ({failed}). Outputs would depend on "
+            "batch composition here: try another dtype or linear_tile_rows, or start with batch "
+            "invariance off (outputs then not reproducible). `detinf selfcheck` prints every probe."
+        )
+
+
+def run_selfcheck(spec: ModelSpec, numerics: Numerics, threads: int | None) -> SelfCheckReport:
+    """Probe every op the model uses at its real shapes with `numerics`; threads None = torch's current.
+
+    References are computed with one thread, probes with `threads`, so a pass also shows the thread
+    count does not change bits. Random data comes from a fixed seed (the check itself is reproducible).
+    """
+    probe_threads = threads if threads is not None else torch.get_num_threads()
+    start = time.perf_counter()
+    generator = torch.Generator().manual_seed(0)
+    results: list[ProbeResult] = []
+    with _threads(probe_threads):
+        results.extend(_linear_probes(spec, numerics, probe_threads, generator))
+        results.extend(_elementwise_probes(spec, numerics, probe_threads, generator))
+        results.append(_exp_probe(generator))
+        results.append(_attention_probe(spec, numerics, probe_threads, generator))
+    return SelfCheckReport(
+        results=tuple(results),
+        dtype=str(numerics.dtype).removeprefix("torch."),
+        batch_invariant=numerics.batch_invariant,
+        tile_rows=numerics.tile_rows,
+        kv_tile=numerics.kv_tile,
+        threads=probe_threads,
+        seconds=time.perf_counter() - start,
+    )
+
+
+@contextmanager
+def _threads(count: int) -> Iterator[None]:
+    """Run a block with `count` torch threads, then restore the previous count."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """Raw bits, so -0.0 != +0.0 and NaN payloads count (torch.equal on floats would hide them)."""
+    x = x.contiguous()
+    return x.view(torch.int16) if x.element_size() == 2 else x.view(torch.int32)
+
+
+def batch_sizes(tile_rows: int, largest: int = 64) -> tuple[int, ...]:
+    """Row counts around the padding granularity T (T-1, T+1, 2T+3), small ones, and a large one."""
+    return tuple(sorted({2, 3, tile_rows - 1, tile_rows + 1, 2 * tile_rows + 3, largest} - {0, 1}))
+
+
+def _row_probe(
+    op: str,
+    shape: str,
+    fn: RowFn,
+    inputs: torch.Tensor,  # [R, K] probe rows
+    sizes: tuple[int, ...],
+    threads: int,
+    generator: torch.Generator,
+) -> ProbeResult:
+    """Rows of `inputs` alone (one thread) vs inside random batches at first/middle/last position."""
+    width = inputs.shape[1]
+    with _threads(1):
+        references = [_bits(fn(inputs[i : i + 1]))[0] for i in range(inputs.shape[0])]
+    compared = 0
+    for size in sizes:
+        batch = torch.randn(size, width, generator=generator).to(inputs.dtype)
+        for position in sorted({0, size // 2, size - 1}):
+            row = compared % inputs.shape[0]
+            batch[position] = inputs[row]
+            out = _bits(fn(batch))
+            compared += 1
+            if not torch.equal(out[position], references[row]):
+                return ProbeResult(
+                    op, shape, False, f"row differs at M={size} position {position}, {threads} threads"
+                )
+    listed = ",".join(str(size) for size in sizes)
+    return ProbeResult(op, shape, True, f"{compared} batches (M={listed}), {threads} threads")
+
+
+def _linear_probes(
+    spec: ModelSpec, numerics: Numerics, threads: int, generator: torch.Generator
+) -> list[ProbeResult]:
+    """Each distinct linear of the model (fused qkv, o, fused gate_up, down) and the fp32 logits head."""
+    q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    shapes = {
+        "qkv": (q_size + 2 * kv_size, spec.hidden_size, spec.attention_bias),
+        "o_proj": (spec.hidden_size, q_size, False),
+        "gate_up": (2 * spec.intermediate_size, spec.hidden_size, False),
+        "down": (spec.hidden_size, spec.intermediate_size, False),
+        "lm_head": (spec.vocab_size, spec.hidden_size, False),
+    }
+    results = []
+    for name, (out_features, in_features, has_bias) in shapes.items():
+        dtype = torch.float32 if name == "lm_head" else numerics.dtype
+        weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
+        bias = torch.randn(out_features, generator=generator).to(dtype) if has_bias else None
+        linear = Linear(weight, bias, tile_rows=numerics.tile_rows, batch_invariant=numerics.batch_invariant)
+        rows = torch.randn(PROBE_ROWS, in_features, generator=generator).to(dtype)
+        kernel = f"{_dtype_name(dtype)} {linear.backend} T={numerics.tile_rows}"
+        label = f"{name} {in_features}->{out_features} {kernel}"
+        sizes = batch_sizes(numerics.tile_rows, 33 if name == "lm_head" else 64)
+        results.append(_row_probe("linear", label, linear, rows, sizes, threads, generator))
+    return results
+
+
+def _elementwise_probes(
+    spec: ModelSpec, numerics: Numerics, threads: int, generator: torch.Generator
+) -> list[ProbeResult]:
+    """RMSNorm (hidden width and, for qk-norm models, head width), silu_mul, rotary."""
+    dtype, name = numerics.dtype, _dtype_name(numerics.dtype)
+    results = []
+    sizes = batch_sizes(numerics.tile_rows)
+    norm_widths = [spec.hidden_size] + ([spec.head_dim] if spec.qk_norm else [])
+    for width in norm_widths:
+        weight = (1.0 + 0.1 * torch.randn(width, generator=generator)).to(dtype)
+        rows = torch.randn(PROBE_ROWS, width, generator=generator).to(dtype)
+
+        def norm(x: torch.Tensor, w: torch.Tensor = weight) -> torch.Tensor:
+            return rms_norm(x, w, spec.rms_norm_eps)
+
+        results.append(_row_probe("rms_norm", f"[M, {width}] {name}", norm, rows, sizes, threads, generator))
+    inter = spec.intermediate_size
+
+    def mlp_act(gate_up: torch.Tensor) -> torch.Tensor:  # the model's layout: slices of gate_up
+        return silu_mul(gate_up[:, :inter], gate_up[:, inter:], batch_invariant=numerics.batch_invariant)
+
+    rows = (3 * torch.randn(PROBE_ROWS, 2 * inter, generator=generator)).to(dtype)
+    results.append(_row_probe("silu_mul", f"[M, {inter}] {name}", mlp_act, rows, sizes, threads, generator))
+    rotary = RotaryTable(spec.head_dim, spec.rope_theta, 4096, spec.rope_scaling)
+    heads, head_dim = spec.num_heads, spec.head_dim
+
+    def rope(x: torch.Tensor) -> torch.Tensor:  # position = a function of the row's own data
+        positions = (x[:, 0].float().abs() * 1000).long() % 4096
+        return rotary.apply(x.view(-1, heads, head_dim), positions).reshape(x.shape[0], -1)
+
+    rows = torch.randn(PROBE_ROWS, heads * head_dim, generator=generator).to(dtype)
+    results.append(
+        _row_probe("rotary", f"[M, {heads}x{head_dim}] {name}", rope, rows, sizes, threads, generator)
+    )
+    return results
+
+
+def _exp_probe(generator: torch.Generator) -> ProbeResult:
+    """torch.exp's scalar kernel (strided input) vs its vectorised kernel (contiguous input)."""
+    values = torch.randn(1 << 16, 2, generator=generator) * 12
+    strided, contiguous = values[:, 0], values[:, 0].contiguous()
+    differ = int((_bits(torch.exp(strided)) != _bits(torch.exp(contiguous))).sum())
+    detail = f"{differ} of {strided.numel()} values differ" if differ else f"{strided.numel()} values equal"
+    return ProbeResult("exp", "scalar vs vector kernel fp32", differ == 0, detail)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+
+
+class _AttentionWorld:
+    """Random K/V of a few sequences in scattered cache blocks, and random queries for every position."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, lengths: list[int], generator: torch.Generator):
+        self.lengths = lengths
+        per_seq = [-(-length // BLOCK_SIZE) for length in lengths]
+        num_blocks = sum(per_seq) + 1  # block 0 stays unused (masked key slots point there)
+        shape = (num_blocks * BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
+        self.k_cache = torch.randn(shape, generator=generator).to(dtype)
+        self.v_cache = torch.randn(shape, generator=generator).to(dtype)
+        order = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+        self.blocks = []
+        for count in per_seq:
+            self.blocks.append(order[:count])
+            order = order[count:]
+        self.queries = [
+            torch.randn(length, spec.num_heads, spec.head_dim, generator=generator).to(dtype)
+            for length in lengths
+        ]
+        self.group_size = spec.group_size
+
+    def run(
+        self, items: list[tuple[int, int, int]], numerics: Numerics
+    ) -> dict[tuple[int, int], torch.Tensor]:
+        """One group of (sequence, start, n) items with equal n -> {(sequence, position): output row}."""
+        n = items[0][2]
+        seq_lens = tuple(start + n for _, start, _ in items)
+        padded_len = -(-max(seq_lens) // numerics.kv_tile) * numerics.kv_tile
+        key = torch.arange(padded_len)
+        slot_rows = []
+        for (seq, _, _), seq_len in zip(items, seq_lens, strict=True):
+            blocks = torch.tensor(self.blocks[seq])
+            slots = (
+                blocks[torch.clamp(key // BLOCK_SIZE, max=len(blocks) - 1)] * BLOCK_SIZE + key % BLOCK_SIZE
+            )
+            slot_rows.append(torch.where(key < seq_len, slots, torch.zeros_like(slots)))
+        group = AttentionGroup.build(
+            torch.arange(len(items) * n).view(len(items), n),
+            torch.tensor([list(range(start, start + n)) for _, start, _ in items]),
+            torch.stack(slot_rows),
+            seq_lens,
+            group_size=self.group_size,
+            tile_rows=numerics.tile_rows,
+            kv_tile=numerics.kv_tile,
+        )
+        q = torch.cat([self.queries[seq][start : start + n] for seq, start, _ in items])
+        meta = AttentionMetadata(torch.zeros(q.shape[0], dtype=torch.int64), (group,), q.shape[0])
+        out = paged_attention(
+            q, self.k_cache, self.v_cache, meta, scale=q.shape[-1] ** -0.5,
+            kv_tile=numerics.kv_tile, tile_rows=numerics.tile_rows, batch_invariant=numerics.batch_invariant,
+        )  # fmt: skip
+        return {(seq, start + r): out[i * n + r] for i, (seq, start, _) in enumerate(items) for r in range(n)}
+
+
+def _attention_probe(
+    spec: ModelSpec, numerics: Numerics, threads: int, generator: torch.Generator
+) -> ProbeResult:
+    """Sequence 0's rows: one prefill (one thread) vs chunks, decode alone, decode and prefill in groups."""
+    tile = numerics.kv_tile
+    length = 2 * tile + 7  # spans three key tiles
+    world = _AttentionWorld(spec, numerics.dtype, [length, 3 * tile + 1, 5], generator)
+    with _threads(1):
+        reference = world.run([(0, 0, length)], numerics)
+    positions = sorted({0, 1, tile - 1, tile, tile + 1, 2 * tile, length - 1})
+    plans: dict[str, list[list[tuple[int, int, int]]]] = {
+        f"chunks of {size}": [[(0, s, min(size, length - s))] for s in range(0, length, size)]
+        for size in (7, 16)
+    }
+    plans["decode alone"] = [[(0, p, 1)] for p in positions]
+    plans["decode in a group"] = [[(1, 3 * tile, 1), (0, p, 1), (2, 4, 1)] for p in positions]
+    plans["prefill beside another sequence"] = [[(1, 3 * tile + 1 - length, length), (0, 0, length)]]
+    compared = 0
+    for name, plan in plans.items():
+        for items in plan:
+            for (seq, position), row in world.run(items, numerics).items():
+                if seq != 0:
+                    continue
+                compared += 1
+                if not torch.equal(_bits(row), _bits(reference[(0, position)])):
+                    detail = (
+                        f"{name}: position {position} differs from the one-thread prefill, {threads} threads"
+                    )
+                    return ProbeResult("attention", _attention_shape(spec, numerics), False, detail)
+    detail = f"{compared} rows equal across prefill, {', '.join(plans)}; {threads} threads"
+    return ProbeResult("attention", _attention_shape(spec, numerics), True, detail)
+
+
+def _attention_shape(spec: ModelSpec, numerics: Numerics) -> str:
+    return (
+        f"heads {spec.num_heads}/{spec.num_kv_heads}x{spec.head_dim} {_dtype_name(numerics.dtype)} "
+        f"B={numerics.kv_tile} T={numerics.tile_rows}"
+    )

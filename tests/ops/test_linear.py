@@ -1,0 +1,95 @@
+"""Invariant linears: a row's bits do not depend on M, its position, its neighbours or the thread count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deterministic_inference.ops.linear import Linear, mkldnn_available, pad_rows, padded_rows
+from tests.ops.helpers import DTYPES, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, THREADS, VOCAB, row_mismatches
+
+LAYER_SHAPES = {  # name: (out_features, in_features)
+    "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+    "o_proj": (HIDDEN, HEADS * HEAD_DIM),
+    "gate_up": (2 * INTER, HIDDEN),
+    "down": (HIDDEN, INTER),
+    "tiny_qkv": (128, 64),
+    "tiny_down": (64, 128),
+}
+
+
+def _linear(shape: str, dtype: torch.dtype, invariant: bool, tile_rows: int = 4, **kw: object) -> Linear:
+    out_features, in_features = LAYER_SHAPES[shape]
+    generator = torch.Generator().manual_seed(1)
+    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
+    return Linear(weight, None, tile_rows=tile_rows, batch_invariant=invariant, **kw)  # type: ignore[arg-type]
+
+
+def _rows(in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(2, in_features, generator=torch.Generator().manual_seed(2)).to(dtype)
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", list(LAYER_SHAPES))
+def test_layer_linears_are_row_invariant(shape: str, dtype: torch.dtype, threads: int) -> None:
+    for tile_rows in (4, 8):
+        linear = _linear(shape, dtype, invariant=True, tile_rows=tile_rows)
+        assert row_mismatches(linear, _rows(linear.in_features, dtype), threads) == [], f"T={tile_rows}"
+
+
+@pytest.mark.parametrize("threads", THREADS)
+def test_fp32_logits_head_is_row_invariant(threads: int) -> None:
+    generator = torch.Generator().manual_seed(3)
+    head = Linear(
+        torch.randn(VOCAB, HIDDEN, generator=generator) / 24, None, tile_rows=4, batch_invariant=True
+    )
+    rows = _rows(HIDDEN, torch.float32)
+    assert row_mismatches(head, rows, threads, sizes=(1, 3, 8, 33)) == []
+
+
+def test_negative_control_plain_linear_differs() -> None:
+    """The same probe on plain F.linear finds differences, so the test above can fail. (bf16 F.linear
+    happened to be row-invariant at these shapes on the reference machine; fp32 MKL is not.)"""
+    found = {
+        (shape, threads): row_mismatches(
+            _linear(shape, torch.float32, invariant=False),
+            _rows(LAYER_SHAPES[shape][1], torch.float32),
+            threads,
+        )
+        for shape in ("qkv", "down", "tiny_qkv")
+        for threads in THREADS
+    }
+    assert all(found.values()), {key: len(value) for key, value in found.items()}
+
+
+def test_bias_and_aten_backend_are_row_invariant() -> None:
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(384, HIDDEN, generator=generator) / 24
+    bias = torch.randn(384, generator=generator)
+    for backend in ("mkldnn", "aten"):
+        linear = Linear(weight, bias, tile_rows=4, batch_invariant=True, backend=backend)
+        assert row_mismatches(linear, _rows(HIDDEN, torch.float32), threads=2) == [], backend
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_invariant_linear_computes_x_wt_plus_b(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(96, 64, generator=generator).to(dtype)
+    bias = torch.randn(96, generator=generator).to(dtype)
+    x = torch.randn(11, 64, generator=generator).to(dtype)
+    out = Linear(weight, bias, tile_rows=4, batch_invariant=True)(x)
+    assert out.shape == (11, 96) and out.dtype == dtype
+    torch.testing.assert_close(
+        out.float(), F.linear(x.float(), weight.float(), bias.float()), rtol=2e-2, atol=2e-2
+    )
+
+
+def test_padding_granularity() -> None:
+    assert [padded_rows(m, 4) for m in (1, 4, 5, 8, 9)] == [4, 4, 8, 8, 12]
+    x = torch.ones(5, 3)
+    padded = pad_rows(x, 4)
+    assert padded.shape == (8, 3) and torch.equal(padded[:5], x) and not padded[5:].any()
+    assert mkldnn_available(torch.float32) and mkldnn_available(torch.bfloat16)
+    assert _linear("qkv", torch.float32, invariant=True).backend == "mkldnn"

@@ -1,0 +1,75 @@
+"""The start-up self-check: passes in invariant mode at real shapes, fails (naming op and shape) on the
+plain path, renders a table and a dict, and is reachable as `detinf selfcheck`."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from deterministic_inference.cli.main import main
+from deterministic_inference.errors import SelfCheckError
+from deterministic_inference.model.llama import Numerics
+from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.ops.selfcheck import run_selfcheck
+from tests.tiny_models import TinyModel
+
+SMOLLM2 = ModelSpec(
+    architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+    num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+    max_position_embeddings=8192, tie_word_embeddings=True,
+)  # fmt: skip
+TINY_QWEN3 = ModelSpec(
+    architecture="qwen3", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512,
+    tie_word_embeddings=True, attention_bias=True, qk_norm=True,
+)  # fmt: skip
+OPS = {"linear", "rms_norm", "silu_mul", "rotary", "exp", "attention"}
+
+
+def test_smollm2_shapes_pass_in_a_few_seconds() -> None:
+    start = time.perf_counter()
+    report = run_selfcheck(SMOLLM2, Numerics(torch.bfloat16, True, 4, 64), threads=2)
+    assert report.ok, report.table()
+    assert time.perf_counter() - start < 30  # ~2 s on an idle 2-core machine
+    assert {r.op for r in report.results} == OPS
+    assert any("49152" in r.shape for r in report.results)  # the fp32 logits head at vocab width
+    report.raise_if_failed()
+
+
+def test_tiny_qwen3_fp32_passes_and_renders() -> None:
+    previous = torch.get_num_threads()
+    report = run_selfcheck(TINY_QWEN3, Numerics(torch.float32, True, 8, 32), threads=1)
+    assert torch.get_num_threads() == previous  # restored
+    assert report.ok, report.table()
+    table = report.table()
+    assert "attention" in table and "[M, 16] fp32" in table  # qk-norm width probed
+    assert table.splitlines()[-1].startswith("all probes bitwise equal")
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["ok"] is True and data["threads"] == 1 and len(data["probes"]) == len(report.results)
+
+
+def test_negative_control_plain_path_fails_naming_op_and_shape() -> None:
+    report = run_selfcheck(SMOLLM2, Numerics(torch.float32, False, 4, 64), threads=1)
+    assert not report.ok
+    failed = {r.op for r in report.failures}
+    assert {"linear", "attention"} <= failed, report.table()
+    with pytest.raises(SelfCheckError, match=r"linear qkv 576->960 fp32"):
+        report.raise_if_failed()
+    assert "FAIL" in report.table()
+
+
+def test_cli_selfcheck_json(tiny_llama_dir: TinyModel, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        ["selfcheck", "--model", str(tiny_llama_dir.path), "--dtype", "float32", "--threads", "1", "--json"]
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["ok"] is True and data["dtype"] == "float32"
+    assert {probe["op"] for probe in data["probes"]} == OPS
+
+
+def test_cli_selfcheck_table(tiny_llama_dir: TinyModel, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["selfcheck", "--model", str(tiny_llama_dir.path), "--threads", "1"]) == 0
+    assert "all probes bitwise equal" in capsys.readouterr().out

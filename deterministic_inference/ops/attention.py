@@ -5,36 +5,85 @@ block_size + offset). New K/V are written to the cache first; then every query r
 sequence's keys read back from the cache, so a token's attention never depends on whether its keys
 were computed in this step, an earlier chunk, or an earlier request (prefix cache).
 
-The invariant path works on key TILES of a fixed size B (`kv_tile`), all tiles of a group at once:
+The invariant path works on key TILES of a fixed size B (`kv_tile`), all tiles of a block of query
+rows at once:
 
-    scores[t]  = q_rows @ K[t]^T          one batched GEMM over (sequence, tile): fixed K=D, N=B
-    row_max    = max over every tile       exact (max does not round)
-    probs[t]   = exp(scores[t] - row_max)  masked keys give exactly 0
+    scores[t]  = q_rows @ K[t]^T          one batched GEMM over (tile, sequence): fixed K=D, N=B
+    row_max    = max over the tiles        exact (max does not round)
+    probs[t]   = exp(scores[t] - row_max)  keys after the row's position get exactly 0
     out        = (sum_t probs[t] @ V[t]) / (sum_t rowsum(probs[t]))
                                            per-tile GEMM (fixed K=B), tiles added in ascending order
 
-so no reduction ever runs over a length that depends on the batch, the chunk or the group's longest
-sequence, and there is no Python loop over tiles except the fixed-order additions of tile results.
+so no reduction runs over a length that depends on the batch, the chunk or the group's longest
+sequence. Query rows are processed in blocks of ROW_BLOCK rows, each over only the tiles its rows can
+see: the skipped tiles would only have added exact zeros (x + 0 == x), so a row's bits do not depend
+on the blocking, and a long prefill chunk does about half the work of the full square.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from deterministic_inference.ops.linear import padded_rows
 
-_EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38, the smallest normal fp32 range: no denormal slow path
+ROW_BLOCK = 384  # query rows (token x query head in a KV group) per block; rounded to a multiple of T
+_EXP_FLOOR = -87.0  # exp(x < -87) is a denormal or 0 and takes a ~10x slower path: clamp (moves < 1.2e-38)
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """How one group's query rows and keys are tiled: everything layer-independent, built once per step."""
+
+    tile_rows: int  # T: GEMM row granularity
+    kv_tile: int  # B: keys per tile
+    padded: int  # P: query rows per sequence (n * group_size) rounded up to T
+    slots: torch.Tensor  # [nT * S * B] int64: key slots in tile-major order (tile, sequence, key)
+    hidden: torch.Tensor  # [nT, S, P, B] bool: True where the key is after the row's position
+    blocks: tuple[tuple[int, int, int], ...]  # (first row, end row, tiles the rows can see) per row block
+    # Gather buffers reused by every layer of the step: a fresh multi-MB tensor per layer costs more in
+    # page faults (glibc returns big blocks to the OS) than the copy itself. Contents never carry over.
+    workspace: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def create(
+        cls, group: AttentionGroup, group_size: int, tile_rows: int, kv_tile: int, row_block: int = ROW_BLOCK
+    ) -> TilePlan:
+        """Derive the plan from a group's positions and slots (row blocks of about `row_block` rows)."""
+        num_seqs, n = group.query_positions.shape
+        key_len = group.key_slots.shape[1]
+        if key_len % kv_tile != 0:
+            raise ValueError(f"key_slots width {key_len} is not a multiple of kv_tile {kv_tile}")
+        num_tiles = key_len // kv_tile
+        padded = padded_rows(n * group_size, tile_rows)
+        row_pos = group.query_positions.repeat_interleave(group_size, dim=1)  # [S, n*G]
+        if padded > n * group_size:  # padding rows take their sequence's last position
+            last = (group.seq_lens - 1).unsqueeze(1).expand(num_seqs, padded - n * group_size)
+            row_pos = torch.cat((row_pos, last), dim=1)  # [S, P]
+        key_index = torch.arange(key_len).view(num_tiles, 1, 1, kv_tile)
+        hidden = key_index > row_pos.view(1, num_seqs, padded, 1)  # [nT, S, P, B]
+        slots = group.key_slots.view(num_seqs, num_tiles, kv_tile).transpose(0, 1).reshape(-1)
+        step = max(tile_rows, row_block // tile_rows * tile_rows)
+        last_visible = row_pos.amax(dim=0).tolist()  # [P]: latest position among the group's sequences
+        blocks = tuple(
+            (
+                first,
+                min(first + step, padded),
+                min(num_tiles, max(last_visible[first : first + step]) // kv_tile + 1),
+            )
+            for first in range(0, padded, step)
+        )
+        return cls(tile_rows, kv_tile, padded, slots, hidden, blocks)
 
 
 @dataclass(frozen=True)
 class AttentionGroup:
     """Sequences of one step with the same number of query tokens, attended in one batched pass.
 
-    Build it with `AttentionGroup.build()`, which also precomputes the key mask once per step (instead of
-    once per layer). A group built directly (hidden_keys=None) gets its mask computed on each call.
+    Build it with `AttentionGroup.build()`, which also precomputes the tiling (mask, slot order, row
+    blocks) once per step instead of once per layer; a group built directly gets it on each call.
     """
 
     row_index: torch.Tensor  # [S, n] int64: the step's flat token row of each query token
@@ -42,7 +91,7 @@ class AttentionGroup:
     key_slots: torch.Tensor  # [S, Lp] int64: cache slots of keys 0..Lp-1 (past seq_len: slot 0, masked)
     seq_lens: torch.Tensor  # [S] int64: keys in the cache after this step's writes
     seq_lens_list: tuple[int, ...]  # the same, as Python ints
-    hidden_keys: torch.Tensor | None = None  # [S, Lp/B, P, B] bool: True = key is after the row's position
+    tiles: TilePlan | None = None  # precomputed by build() for one (group_size, tile_rows, kv_tile)
 
     @classmethod
     def build(
@@ -55,14 +104,19 @@ class AttentionGroup:
         group_size: int,
         tile_rows: int,
         kv_tile: int,
+        row_block: int = ROW_BLOCK,
     ) -> AttentionGroup:
-        """A group with its key mask precomputed for these tile sizes (shared by every layer of a step)."""
-        if key_slots.shape[1] % kv_tile != 0:
-            raise ValueError(f"key_slots width {key_slots.shape[1]} is not a multiple of kv_tile {kv_tile}")
+        """A group with its tiling precomputed for these sizes (shared by every layer of a step)."""
         lens = torch.tensor(seq_lens, dtype=torch.int64)
-        padded = padded_rows(row_index.shape[1] * group_size, tile_rows)
-        hidden = _hidden_keys(query_positions, lens, key_slots.shape[1], group_size, padded, kv_tile)
-        return cls(row_index, query_positions, key_slots, lens, tuple(seq_lens), hidden)
+        bare = cls(row_index, query_positions, key_slots, lens, tuple(seq_lens))
+        return cls(
+            row_index,
+            query_positions,
+            key_slots,
+            lens,
+            tuple(seq_lens),
+            TilePlan.create(bare, group_size, tile_rows, kv_tile, row_block),
+        )
 
 
 @dataclass(frozen=True)
@@ -111,28 +165,6 @@ def paged_attention(
     return out.to(q.dtype)
 
 
-def _hidden_keys(
-    query_positions: torch.Tensor,  # [S, n]
-    seq_lens: torch.Tensor,  # [S]
-    key_len: int,
-    group_size: int,
-    padded: int,
-    kv_tile: int,
-) -> torch.Tensor:
-    """[S, Lp/B, P, B] bool: True where key t*B+j lies after query row p's position (masked).
-
-    Row p = r*G+g is query token r seen by query head g of its KV head; padding rows take the last
-    position of their sequence, so every row sees at least key 0 and its running max is finite.
-    """
-    num_seqs = query_positions.shape[0]
-    row_pos = query_positions.repeat_interleave(group_size, dim=1)  # [S, n*G]
-    if padded > row_pos.shape[1]:
-        last = (seq_lens - 1).unsqueeze(1).expand(num_seqs, padded - row_pos.shape[1])
-        row_pos = torch.cat((row_pos, last), dim=1)  # [S, P]
-    key_index = torch.arange(key_len).view(1, key_len // kv_tile, 1, kv_tile)
-    return key_index > row_pos.view(num_seqs, 1, padded, 1)
-
-
 def _query_rows(
     q: torch.Tensor, row_index: torch.Tensor, kv_heads: int, padded: int, scale: float
 ) -> torch.Tensor:
@@ -151,48 +183,70 @@ def _query_rows(
     return q_rows
 
 
-def _gather_keys(cache: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
-    """cache: [slots, kv_heads, D], key_slots: [S, Lp] -> fp32 [S, Lp, kv_heads, D] (copies: exact)."""
-    gathered = cache.index_select(0, key_slots.reshape(-1))
-    return gathered.float().view(key_slots.shape[0], key_slots.shape[1], cache.shape[1], cache.shape[2])
+def _gather_tiles(cache: torch.Tensor, plan: TilePlan, num_seqs: int, name: str) -> torch.Tensor:
+    """cache: [slots, KVH, D] -> fp32 keys or values [nT, S, B, KVH, D], tile-major (copies: exact).
+
+    Written into `plan.workspace[name]` (reused by the next layer of the step)."""
+    shape = (plan.slots.shape[0], cache.shape[1], cache.shape[2])
+    gathered = _buffer(plan, name, shape, torch.float32)
+    if cache.dtype == torch.float32:
+        torch.index_select(cache, 0, plan.slots, out=gathered)
+    else:
+        staged = _buffer(plan, f"{name}:{cache.dtype}", shape, cache.dtype)
+        torch.index_select(cache, 0, plan.slots, out=staged)
+        gathered.copy_(staged)
+    return gathered.view(-1, num_seqs, plan.kv_tile, cache.shape[1], cache.shape[2])
 
 
-def _tile_scores(q_rows: torch.Tensor, keys: torch.Tensor, kv_tile: int) -> torch.Tensor:
-    """q_rows: [KVH, S, P, D], keys: [S, Lp, KVH, D] -> scores [KVH, S, Lp/B, P, B].
+def _buffer(plan: TilePlan, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The plan's workspace tensor `name`, (re)allocated when its shape or dtype changes."""
+    buffer = plan.workspace.get(name)
+    if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+        buffer = torch.empty(shape, dtype=dtype)
+        plan.workspace[name] = buffer
+    return buffer
 
-    Why invariant: one batched GEMM per KV head over (sequence, tile) matrices of fixed inner size D and
-    fixed width B; only the padded row count P varies, in steps of `tile_rows`.
+
+def _attend_block(
+    q_rows: torch.Tensor,  # [KVH, S, Pb, D] fp32, Pb a multiple of T
+    keys: torch.Tensor,  # [nTb, S, B, KVH, D] fp32
+    values: torch.Tensor,  # [nTb, S, B, KVH, D] fp32
+    hidden: torch.Tensor,  # [nTb, S, Pb, B] bool
+    out: torch.Tensor,  # [KVH, S, Pb, D] fp32, written
+) -> None:
+    """Attention of one block of query rows over the first nTb key tiles.
+
+    Why invariant: per KV head, one batched GEMM over (tile, sequence) with fixed inner size D and
+    width B for the scores, and one with fixed inner size B and width D for the tile outputs; only the
+    row count varies, in multiples of T. The max is exact; exp, the tile sums (fixed width B) and the
+    tile outputs depend only on the row and the tile; tiles are then added in ascending order.
     """
-    kv_heads, num_seqs, padded, head_dim = q_rows.shape
-    num_tiles = keys.shape[1] // kv_tile
-    batch = num_seqs * num_tiles
-    scores = torch.empty((kv_heads, num_seqs, num_tiles, padded, kv_tile))
+    kv_heads, num_seqs, rows, head_dim = q_rows.shape
+    num_tiles, kv_tile = keys.shape[0], keys.shape[2]
+    batch = num_tiles * num_seqs
+    scores = torch.empty((kv_heads, num_tiles, num_seqs, rows, kv_tile))
     for head in range(kv_heads):
-        queries = q_rows[head].unsqueeze(1).expand(num_seqs, num_tiles, padded, head_dim)
-        tile_keys = keys[:, :, head].view(batch, kv_tile, head_dim).transpose(1, 2)  # [S*nT, D, B]
-        torch.bmm(
-            queries.reshape(batch, padded, head_dim), tile_keys, out=scores[head].view(batch, padded, kv_tile)
-        )
-    return scores
-
-
-def _tile_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """probs: [KVH, S, nT, P, B], values: [S, Lp, KVH, D] -> per-tile outputs [KVH, S, nT, P, D].
-
-    Why invariant: per-tile GEMMs with fixed inner size B and width D, rows padded to `tile_rows`.
-    """
-    kv_heads, num_seqs, num_tiles, padded, kv_tile = probs.shape
-    head_dim = values.shape[3]
-    batch = num_seqs * num_tiles
-    tile_out = torch.empty((kv_heads, num_seqs, num_tiles, padded, head_dim))
+        queries = q_rows[head].expand(num_tiles, num_seqs, rows, head_dim).reshape(batch, rows, head_dim)
+        tile_keys = keys[:, :, :, head].view(batch, kv_tile, head_dim).transpose(1, 2)  # [nT*S, D, B]
+        torch.bmm(queries, tile_keys, out=scores[head].view(batch, rows, kv_tile))
+    scores.masked_fill_(hidden, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True).amax(dim=1, keepdim=True)  # [KVH, 1, S, Pb, 1]
+    probs = scores.sub_(row_max).clamp_min_(_EXP_FLOOR).exp_().masked_fill_(hidden, 0.0)
+    tile_sums = probs.sum(dim=-1)  # [KVH, nT, S, Pb]
+    tile_out = torch.empty((kv_heads, num_tiles, num_seqs, rows, head_dim))
     for head in range(kv_heads):
-        tile_values = values[:, :, head].view(batch, kv_tile, head_dim)  # [S*nT, B, D]
+        tile_values = values[:, :, :, head].view(batch, kv_tile, head_dim)  # [nT*S, B, D]
         torch.bmm(
-            probs[head].view(batch, padded, kv_tile),
+            probs[head].view(batch, rows, kv_tile),
             tile_values,
-            out=tile_out[head].view(batch, padded, head_dim),
+            out=tile_out[head].view(batch, rows, head_dim),
         )
-    return tile_out
+    acc = tile_out[:, 0].clone()  # [KVH, S, Pb, D]
+    denom = tile_sums[:, 0].clone()  # [KVH, S, Pb]
+    for tile in range(1, num_tiles):
+        acc.add_(tile_out[:, tile])
+        denom.add_(tile_sums[:, tile])
+    torch.div(acc, denom.unsqueeze(-1), out=out)
 
 
 def _tiled_group_attention(
@@ -204,42 +258,34 @@ def _tiled_group_attention(
     kv_tile: int,
     tile_rows: int,
 ) -> torch.Tensor:
-    """Fixed-order tiled attention with one exact row max -> [S*n, heads, head_dim] fp32.
+    """Fixed-order tiled attention of a group -> [S*n, heads, head_dim] fp32.
 
     Why invariant: a query row's result is built only from its own sequence's keys, in tiles of
-    `kv_tile` keys starting at key 0. Its max is exact whatever the tile count; each tile's scores,
-    exp, tile sum (a reduction of fixed width B) and tile output (a GEMM of fixed inner size B) depend
-    only on the row and that tile; the tile results are then added in ascending tile order. Keys after
-    the row's position get exactly zero weight, so the extra all-zero tiles a longer neighbour adds to
-    the group change no bit. GEMM row counts are padded to a multiple of `tile_rows`.
+    `kv_tile` keys starting at key 0, by `_attend_block`. Keys after the row's position get exactly
+    zero weight, so the all-zero tiles that a longer neighbour adds (or that a row block skips) change
+    no bit, and padding rows never meet real rows in a reduction.
     """
     num_seqs, n = group.row_index.shape
     kv_heads = k_cache.shape[1]
     group_size = q.shape[1] // kv_heads
-    padded = padded_rows(n * group_size, tile_rows)
-    key_len = group.key_slots.shape[1]
-    if key_len % kv_tile != 0:
-        raise ValueError(f"key_slots width {key_len} is not a multiple of kv_tile {kv_tile}")
-    hidden = group.hidden_keys
-    if hidden is None or hidden.shape != (num_seqs, key_len // kv_tile, padded, kv_tile):
-        hidden = _hidden_keys(group.query_positions, group.seq_lens, key_len, group_size, padded, kv_tile)
-    q_rows = _query_rows(q, group.row_index, kv_heads, padded, scale)  # [KVH, S, P, D]
-    scores = _tile_scores(q_rows, _gather_keys(k_cache, group.key_slots), kv_tile)  # [KVH, S, nT, P, B]
-    scores.masked_fill_(hidden, float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True).amax(dim=2, keepdim=True)  # [KVH, S, 1, P, 1]
-    # exp of inputs below -87 (fp32 denormal results, -inf) takes a ~10x slower path: clamp them (the
-    # result moves by < 1.2e-38), then give hidden keys exactly zero weight.
-    probs = scores.sub_(row_max).clamp_min_(_EXP_FLOOR).exp_().masked_fill_(hidden, 0.0)
-    tile_sums = probs.sum(dim=-1)  # [KVH, S, nT, P]
-    tile_out = _tile_values(probs, _gather_keys(v_cache, group.key_slots))  # [KVH, S, nT, P, D]
-    acc = tile_out[:, :, 0].clone()  # [KVH, S, P, D]
-    denom = tile_sums[:, :, 0].clone()  # [KVH, S, P]
-    for tile in range(1, tile_out.shape[2]):
-        acc.add_(tile_out[:, :, tile])
-        denom.add_(tile_sums[:, :, tile])
-    result = acc.div_(denom.unsqueeze(-1))[:, :, : n * group_size]  # [KVH, S, n*G, D]
-    result = result.reshape(kv_heads, num_seqs, n, group_size, -1).permute(1, 2, 0, 3, 4)
-    return result.reshape(num_seqs * n, kv_heads * group_size, -1)
+    plan = group.tiles
+    if (
+        plan is None
+        or (plan.tile_rows, plan.kv_tile) != (tile_rows, kv_tile)
+        or plan.padded != padded_rows(n * group_size, tile_rows)
+    ):
+        plan = TilePlan.create(group, group_size, tile_rows, kv_tile)
+    q_rows = _query_rows(q, group.row_index, kv_heads, plan.padded, scale)  # [KVH, S, P, D]
+    keys = _gather_tiles(k_cache, plan, num_seqs, "keys")  # [nT, S, B, KVH, D]
+    values = _gather_tiles(v_cache, plan, num_seqs, "values")
+    out = torch.empty_like(q_rows)
+    for first, end, tiles in plan.blocks:
+        _attend_block(
+            q_rows[:, :, first:end], keys[:tiles], values[:tiles], plan.hidden[:tiles, :, first:end],
+            out[:, :, first:end],
+        )  # fmt: skip
+    result = out[:, :, : n * group_size].reshape(kv_heads, num_seqs, n, group_size, -1)
+    return result.permute(1, 2, 0, 3, 4).reshape(num_seqs * n, kv_heads * group_size, -1)
 
 
 def _sdpa_group_attention(

@@ -27,7 +27,12 @@ from deterministic_inference.errors import SelfCheckError
 from deterministic_inference.model.llama import Numerics
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.activation import silu_mul
-from deterministic_inference.ops.attention import AttentionGroup, AttentionMetadata, paged_attention
+from deterministic_inference.ops.attention import (
+    ROW_BLOCK,
+    AttentionGroup,
+    AttentionMetadata,
+    paged_attention,
+)
 from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.norm import rms_norm
 from deterministic_inference.ops.rope import RotaryTable
@@ -285,7 +290,7 @@ class _AttentionWorld:
         self.group_size = spec.group_size
 
     def run(
-        self, items: list[tuple[int, int, int]], numerics: Numerics
+        self, items: list[tuple[int, int, int]], numerics: Numerics, row_block: int = ROW_BLOCK
     ) -> dict[tuple[int, int], torch.Tensor]:
         """One group of (sequence, start, n) items with equal n -> {(sequence, position): output row}."""
         n = items[0][2]
@@ -307,6 +312,7 @@ class _AttentionWorld:
             group_size=self.group_size,
             tile_rows=numerics.tile_rows,
             kv_tile=numerics.kv_tile,
+            row_block=row_block,
         )
         q = torch.cat([self.queries[seq][start : start + n] for seq, start, _ in items])
         meta = AttentionMetadata(torch.zeros(q.shape[0], dtype=torch.int64), (group,), q.shape[0])
@@ -334,10 +340,12 @@ def _attention_probe(
     plans["decode alone"] = [[(0, p, 1)] for p in positions]
     plans["decode in a group"] = [[(1, 3 * tile, 1), (0, p, 1), (2, 4, 1)] for p in positions]
     plans["prefill beside another sequence"] = [[(1, 3 * tile + 1 - length, length), (0, 0, length)]]
+    plans["prefill in small row blocks"] = [[(0, 0, length)]]
     compared = 0
     for name, plan in plans.items():
+        row_block = 2 * numerics.tile_rows if name.endswith("row blocks") else ROW_BLOCK
         for items in plan:
-            for (seq, position), row in world.run(items, numerics).items():
+            for (seq, position), row in world.run(items, numerics, row_block).items():
                 if seq != 0:
                     continue
                 compared += 1

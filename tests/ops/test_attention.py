@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deterministic_inference.ops.attention import AttentionGroup, AttentionMetadata, paged_attention, write_kv
+from deterministic_inference.ops.attention import (
+    ROW_BLOCK,
+    AttentionGroup,
+    AttentionMetadata,
+    paged_attention,
+    write_kv,
+)
 from tests.ops.helpers import (
     DTYPES,
     HEAD_DIM,
@@ -61,7 +67,7 @@ class World:
         return torch.where(key < seq_len, slots, torch.zeros_like(slots))
 
     def attend(
-        self, items: Items, kv_tile: int, tile_rows: int, invariant: bool
+        self, items: Items, kv_tile: int, tile_rows: int, invariant: bool, row_block: int = ROW_BLOCK
     ) -> dict[tuple[int, int], torch.Tensor]:
         """Run one group; -> {(sequence, position): output row [heads, head_dim]}."""
         n = items[0][2]
@@ -80,6 +86,7 @@ class World:
             group_size=self.group_size,
             tile_rows=tile_rows,
             kv_tile=kv_tile,
+            row_block=row_block,
         )
         q = torch.cat([self.queries[seq][start : start + n] for seq, start, _ in items])
         meta = AttentionMetadata(torch.zeros(q.shape[0], dtype=torch.int64), (group,), q.shape[0])
@@ -105,10 +112,13 @@ def plans() -> dict[str, list[Items]]:
     return result
 
 
-def mismatches(world: World, kv_tile: int, tile_rows: int, invariant: bool, threads: int) -> list[str]:
-    """Rows of every plan compared with a whole-sequence prefill computed with one thread."""
+def mismatches(
+    world: World, kv_tile: int, tile_rows: int, invariant: bool, threads: int, row_block: int = ROW_BLOCK
+) -> list[str]:
+    """Rows of every plan compared with a whole-sequence prefill computed with one thread (query rows
+    in blocks of `row_block`: several blocks, each over only the key tiles its rows can see)."""
     with num_threads(1):
-        reference = world.attend([(0, 0, LENGTH)], kv_tile, tile_rows, invariant)
+        reference = world.attend([(0, 0, LENGTH)], kv_tile, tile_rows, invariant, row_block)
     found = []
     with num_threads(threads):
         for name, plan in plans().items():
@@ -126,14 +136,14 @@ def test_rows_equal_across_prefill_chunks_decode_and_groups(
     head_shape: str, dtype: torch.dtype, threads: int
 ) -> None:
     world = World(head_shape, dtype)
-    for kv_tile, tile_rows in ((32, 8), (64, 4)):
-        assert mismatches(world, kv_tile, tile_rows, True, threads) == [], (kv_tile, tile_rows)
+    for kv_tile, tile_rows, row_block in ((32, 8, ROW_BLOCK), (64, 4, 12)):
+        assert mismatches(world, kv_tile, tile_rows, True, threads, row_block) == [], (kv_tile, tile_rows)
 
 
 def test_larger_tiles_are_invariant() -> None:
     world = World("smollm2", torch.bfloat16, seed=1)
     for kv_tile in (16, 128):
-        assert mismatches(world, kv_tile, 4, True, threads=2) == [], kv_tile
+        assert mismatches(world, kv_tile, 4, True, threads=2, row_block=40) == [], kv_tile
 
 
 def test_negative_control_plain_attention_differs() -> None:

@@ -29,6 +29,7 @@ from deterministic_inference.engine.sequence_state import SequenceState
 from deterministic_inference.engine.setup import build_model, choose_num_kv_blocks, resolve_dtype
 from deterministic_inference.errors import InvalidRequestError
 from deterministic_inference.model.loader import LoadedModel, load_model
+from deterministic_inference.ops.selfcheck import SelfCheckReport, run_selfcheck
 
 # layer_hook(step_id, layer_index, request_ids, rows_per_request, hidden [T, hidden])
 StepLayerHook = Callable[[int, int, list[str], list[int], torch.Tensor], None]
@@ -49,6 +50,11 @@ class Engine:
             config.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings
         )
         self.model = build_model(self.loaded, config, self.dtype_name, self.max_model_len)
+        self.selfcheck_report: SelfCheckReport | None = None
+        if config.batch_invariant and config.selfcheck:
+            # Refuse invariant mode on hardware where any op probe differs (names op and shape).
+            self.selfcheck_report = run_selfcheck(self.spec, self.model.numerics, config.threads)
+            self.selfcheck_report.raise_if_failed()
         self.model_digest = artifacts_digest(self.loaded.artifacts)
         self.fingerprint = fingerprint.engine_fingerprint(self.model_digest, config.numerics(self.dtype_name))
         self.system_fingerprint = fingerprint.system_fingerprint(self.fingerprint)

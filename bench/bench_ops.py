@@ -117,7 +117,7 @@ def _attention_inputs(
 
 def bench_attention(rounds: int) -> None:
     """Invariant tiled attention (B, T) vs per-sequence SDPA (batch_invariant=False), one layer."""
-    cases = [(8, 1, 128), (8, 1, 512), (32, 1, 128), (32, 1, 512), (1, 128, 128), (1, 512, 512)]
+    cases = [(8, 1, 128), (8, 1, 512), (32, 1, 128), (32, 1, 512), (4, 128, 128), (1, 512, 512)]
     configs = [(32, 8), (64, 4), (64, 8), (128, 4)]
     print("\n### attention, one layer: ms per call (ratio to per-sequence SDPA)")
     header = " | ".join(f"inv B={b} T={t}" for b, t in configs)
@@ -186,6 +186,7 @@ def bench_step(rounds: int, cases: list[tuple[int, int, int]]) -> None:
     numerics = {
         "plain-bf16": Numerics(torch.bfloat16, False, 4, 64),
         "inv-bf16-T4-B64": Numerics(torch.bfloat16, True, 4, 64),
+        "inv-bf16-T4-B128": Numerics(torch.bfloat16, True, 4, 128),
         "inv-bf16-T8-B32": Numerics(torch.bfloat16, True, 8, 32),
         "plain-fp32": Numerics(torch.float32, False, 4, 64),
         "inv-fp32-T4-B64": Numerics(torch.float32, True, 4, 64),
@@ -217,7 +218,7 @@ def main() -> None:
     if "activation" in args.section:
         bench_activation(args.rounds)
     if "step" in args.section:
-        steps = [(8, 1, 256), (32, 1, 128), (32, 1, 512), (1, 128, 128), (1, 512, 512)]
+        steps = [(1, 1, 256), (8, 1, 256), (32, 1, 128), (32, 1, 512), (4, 128, 128), (1, 512, 512)]
         bench_step(max(2, args.rounds // 2), steps)
 
 

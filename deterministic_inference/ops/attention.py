@@ -42,7 +42,8 @@ class TilePlan:
     padded: int  # P: query rows per sequence (n * group_size) rounded up to T
     slots: torch.Tensor  # [nT * S * B] int64: key slots in tile-major order (tile, sequence, key)
     hidden: torch.Tensor  # [nT, S, P, B] bool: True where the key is after the row's position
-    blocks: tuple[tuple[int, int, int], ...]  # (first row, end row, tiles the rows can see) per row block
+    # per row block: (first row, end row, tiles its rows can see, leading tiles every row sees whole)
+    blocks: tuple[tuple[int, int, int, int], ...]
     # Gather buffers reused by every layer of the step: a fresh multi-MB tensor per layer costs more in
     # page faults (glibc returns big blocks to the OS) than the copy itself. Contents never carry over.
     workspace: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
@@ -66,12 +67,14 @@ class TilePlan:
         hidden = key_index > row_pos.view(1, num_seqs, padded, 1)  # [nT, S, P, B]
         slots = group.key_slots.view(num_seqs, num_tiles, kv_tile).transpose(0, 1).reshape(-1)
         step = max(tile_rows, row_block // tile_rows * tile_rows)
-        last_visible = row_pos.amax(dim=0).tolist()  # [P]: latest position among the group's sequences
+        latest = row_pos.amax(dim=0).tolist()  # [P]: latest position among the group's sequences
+        earliest = row_pos.amin(dim=0).tolist()  # [P]: earliest one
         blocks = tuple(
             (
                 first,
                 min(first + step, padded),
-                min(num_tiles, max(last_visible[first : first + step]) // kv_tile + 1),
+                min(num_tiles, max(latest[first : first + step]) // kv_tile + 1),
+                min(earliest[first : first + step]) // kv_tile,
             )
             for first in range(0, padded, step)
         )
@@ -211,7 +214,8 @@ def _attend_block(
     q_rows: torch.Tensor,  # [KVH, S, Pb, D] fp32, Pb a multiple of T
     keys: torch.Tensor,  # [nTb, S, B, KVH, D] fp32
     values: torch.Tensor,  # [nTb, S, B, KVH, D] fp32
-    hidden: torch.Tensor,  # [nTb, S, Pb, B] bool
+    hidden: torch.Tensor,  # [nTb - whole, S, Pb, B] bool: the mask of the tiles after the first `whole`
+    whole: int,  # leading tiles no row of the block has a hidden key in
     out: torch.Tensor,  # [KVH, S, Pb, D] fp32, written
 ) -> None:
     """Attention of one block of query rows over the first nTb key tiles.
@@ -229,9 +233,10 @@ def _attend_block(
         queries = q_rows[head].expand(num_tiles, num_seqs, rows, head_dim).reshape(batch, rows, head_dim)
         tile_keys = keys[:, :, :, head].view(batch, kv_tile, head_dim).transpose(1, 2)  # [nT*S, D, B]
         torch.bmm(queries, tile_keys, out=scores[head].view(batch, rows, kv_tile))
-    scores.masked_fill_(hidden, float("-inf"))
+    scores[:, whole:].masked_fill_(hidden, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True).amax(dim=1, keepdim=True)  # [KVH, 1, S, Pb, 1]
-    probs = scores.sub_(row_max).clamp_min_(_EXP_FLOOR).exp_().masked_fill_(hidden, 0.0)
+    probs = scores.sub_(row_max).clamp_min_(_EXP_FLOOR).exp_()
+    probs[:, whole:].masked_fill_(hidden, 0.0)
     tile_sums = probs.sum(dim=-1)  # [KVH, nT, S, Pb]
     tile_out = torch.empty((kv_heads, num_tiles, num_seqs, rows, head_dim))
     for head in range(kv_heads):
@@ -279,10 +284,10 @@ def _tiled_group_attention(
     keys = _gather_tiles(k_cache, plan, num_seqs, "keys")  # [nT, S, B, KVH, D]
     values = _gather_tiles(v_cache, plan, num_seqs, "values")
     out = torch.empty_like(q_rows)
-    for first, end, tiles in plan.blocks:
+    for first, end, tiles, whole in plan.blocks:
         _attend_block(
-            q_rows[:, :, first:end], keys[:tiles], values[:tiles], plan.hidden[:tiles, :, first:end],
-            out[:, :, first:end],
+            q_rows[:, :, first:end], keys[:tiles], values[:tiles], plan.hidden[whole:tiles, :, first:end],
+            whole, out[:, :, first:end],
         )  # fmt: skip
     result = out[:, :, : n * group_size].reshape(kv_heads, num_seqs, n, group_size, -1)
     return result.permute(1, 2, 0, 3, 4).reshape(num_seqs * n, kv_heads * group_size, -1)

@@ -15,78 +15,33 @@ rows at once:
                                            per-tile GEMM (fixed K=B), tiles added in ascending order
 
 so no reduction runs over a length that depends on the batch, the chunk or the group's longest
-sequence. Query rows are processed in blocks of ROW_BLOCK rows, each over only the tiles its rows can
-see: the skipped tiles would only have added exact zeros (x + 0 == x), so a row's bits do not depend
-on the blocking, and a long prefill chunk does about half the work of the full square.
+sequence. `attention_plan.TilePlan` (built once per step) sorts a group's sequences into chunks of
+similar length and their query rows into blocks that visit only the key tiles they can see: skipped
+tiles would only have added exact zeros (x + 0 == x), so no bit depends on the chunking or blocking,
+and a long prefill chunk does about half the work of the full square.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from deterministic_inference.ops.linear import padded_rows
+from deterministic_inference.ops.attention_plan import ROW_BLOCK, TilePlan
 
-ROW_BLOCK = 384  # query rows (token x query head in a KV group) per block; rounded to a multiple of T
+__all__ = ["ROW_BLOCK", "AttentionGroup", "AttentionMetadata", "TilePlan", "paged_attention", "write_kv"]
+
 _EXP_FLOOR = -87.0  # exp(x < -87) is a denormal or 0 and takes a ~10x slower path: clamp (moves < 1.2e-38)
-
-
-@dataclass(frozen=True)
-class TilePlan:
-    """How one group's query rows and keys are tiled: everything layer-independent, built once per step."""
-
-    tile_rows: int  # T: GEMM row granularity
-    kv_tile: int  # B: keys per tile
-    padded: int  # P: query rows per sequence (n * group_size) rounded up to T
-    slots: torch.Tensor  # [nT * S * B] int64: key slots in tile-major order (tile, sequence, key)
-    hidden: torch.Tensor  # [nT, S, P, B] bool: True where the key is after the row's position
-    # per row block: (first row, end row, tiles its rows can see, leading tiles every row sees whole)
-    blocks: tuple[tuple[int, int, int, int], ...]
-    # Gather buffers reused by every layer of the step: a fresh multi-MB tensor per layer costs more in
-    # page faults (glibc returns big blocks to the OS) than the copy itself. Contents never carry over.
-    workspace: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
-
-    @classmethod
-    def create(
-        cls, group: AttentionGroup, group_size: int, tile_rows: int, kv_tile: int, row_block: int = ROW_BLOCK
-    ) -> TilePlan:
-        """Derive the plan from a group's positions and slots (row blocks of about `row_block` rows)."""
-        num_seqs, n = group.query_positions.shape
-        key_len = group.key_slots.shape[1]
-        if key_len % kv_tile != 0:
-            raise ValueError(f"key_slots width {key_len} is not a multiple of kv_tile {kv_tile}")
-        num_tiles = key_len // kv_tile
-        padded = padded_rows(n * group_size, tile_rows)
-        row_pos = group.query_positions.repeat_interleave(group_size, dim=1)  # [S, n*G]
-        if padded > n * group_size:  # padding rows take their sequence's last position
-            last = (group.seq_lens - 1).unsqueeze(1).expand(num_seqs, padded - n * group_size)
-            row_pos = torch.cat((row_pos, last), dim=1)  # [S, P]
-        key_index = torch.arange(key_len).view(num_tiles, 1, 1, kv_tile)
-        hidden = key_index > row_pos.view(1, num_seqs, padded, 1)  # [nT, S, P, B]
-        slots = group.key_slots.view(num_seqs, num_tiles, kv_tile).transpose(0, 1).reshape(-1)
-        step = max(tile_rows, row_block // tile_rows * tile_rows)
-        latest = row_pos.amax(dim=0).tolist()  # [P]: latest position among the group's sequences
-        earliest = row_pos.amin(dim=0).tolist()  # [P]: earliest one
-        blocks = tuple(
-            (
-                first,
-                min(first + step, padded),
-                min(num_tiles, max(latest[first : first + step]) // kv_tile + 1),
-                min(earliest[first : first + step]) // kv_tile,
-            )
-            for first in range(0, padded, step)
-        )
-        return cls(tile_rows, kv_tile, padded, slots, hidden, blocks)
 
 
 @dataclass(frozen=True)
 class AttentionGroup:
     """Sequences of one step with the same number of query tokens, attended in one batched pass.
 
-    Build it with `AttentionGroup.build()`, which also precomputes the tiling (mask, slot order, row
-    blocks) once per step instead of once per layer; a group built directly gets it on each call.
+    Build it with `AttentionGroup.build()`, which also precomputes the tiling (sequence order, masks,
+    slot order, row blocks) once per step instead of once per layer; a group built directly gets it
+    on each call.
     """
 
     row_index: torch.Tensor  # [S, n] int64: the step's flat token row of each query token
@@ -111,15 +66,11 @@ class AttentionGroup:
     ) -> AttentionGroup:
         """A group with its tiling precomputed for these sizes (shared by every layer of a step)."""
         lens = torch.tensor(seq_lens, dtype=torch.int64)
-        bare = cls(row_index, query_positions, key_slots, lens, tuple(seq_lens))
-        return cls(
-            row_index,
-            query_positions,
-            key_slots,
-            lens,
-            tuple(seq_lens),
-            TilePlan.create(bare, group_size, tile_rows, kv_tile, row_block),
-        )
+        plan = TilePlan.create(
+            row_index, query_positions, key_slots, lens,
+            group_size=group_size, tile_rows=tile_rows, kv_tile=kv_tile, row_block=row_block,
+        )  # fmt: skip
+        return cls(row_index, query_positions, key_slots, lens, tuple(seq_lens), plan)
 
 
 @dataclass(frozen=True)
@@ -161,10 +112,10 @@ def paged_attention(
     out = torch.empty(q.shape, dtype=torch.float32)
     for group in meta.groups:
         if batch_invariant:
-            group_out = _tiled_group_attention(q, k_cache, v_cache, group, scale, kv_tile, tile_rows)
+            rows, group_out = _tiled_group_attention(q, k_cache, v_cache, group, scale, kv_tile, tile_rows)
         else:
-            group_out = _sdpa_group_attention(q, k_cache, v_cache, group, scale)
-        out[group.row_index.reshape(-1)] = group_out  # group_out: [S*n, heads, head_dim]
+            rows, group_out = group.row_index, _sdpa_group_attention(q, k_cache, v_cache, group, scale)
+        out[rows.reshape(-1)] = group_out  # group_out: [S*n, heads, head_dim], rows: [S, n]
     return out.to(q.dtype)
 
 
@@ -186,10 +137,10 @@ def _query_rows(
     return q_rows
 
 
-def _gather_tiles(cache: torch.Tensor, plan: TilePlan, num_seqs: int, name: str) -> torch.Tensor:
-    """cache: [slots, KVH, D] -> fp32 keys or values [nT, S, B, KVH, D], tile-major (copies: exact).
+def _gather_keys(cache: torch.Tensor, plan: TilePlan, name: str) -> torch.Tensor:
+    """cache: [slots, KVH, D] -> fp32 [len(plan.slots), KVH, D] in the plan's key order (copies: exact).
 
-    Written into `plan.workspace[name]` (reused by the next layer of the step)."""
+    Written into `plan.workspace[name]`, which the next layer of the step reuses."""
     shape = (plan.slots.shape[0], cache.shape[1], cache.shape[2])
     gathered = _buffer(plan, name, shape, torch.float32)
     if cache.dtype == torch.float32:
@@ -198,7 +149,7 @@ def _gather_tiles(cache: torch.Tensor, plan: TilePlan, num_seqs: int, name: str)
         staged = _buffer(plan, f"{name}:{cache.dtype}", shape, cache.dtype)
         torch.index_select(cache, 0, plan.slots, out=staged)
         gathered.copy_(staged)
-    return gathered.view(-1, num_seqs, plan.kv_tile, cache.shape[1], cache.shape[2])
+    return gathered
 
 
 def _buffer(plan: TilePlan, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -262,35 +213,43 @@ def _tiled_group_attention(
     scale: float,
     kv_tile: int,
     tile_rows: int,
-) -> torch.Tensor:
-    """Fixed-order tiled attention of a group -> [S*n, heads, head_dim] fp32.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed-order tiled attention of a group -> (token rows [S, n], output [S*n, heads, head_dim] fp32).
 
     Why invariant: a query row's result is built only from its own sequence's keys, in tiles of
     `kv_tile` keys starting at key 0, by `_attend_block`. Keys after the row's position get exactly
     zero weight, so the all-zero tiles that a longer neighbour adds (or that a row block skips) change
-    no bit, and padding rows never meet real rows in a reduction.
+    no bit, and padding rows never meet real rows in a reduction. Sequences are processed in the plan's
+    order (by length); the returned token rows say where each output row belongs.
     """
-    num_seqs, n = group.row_index.shape
-    kv_heads = k_cache.shape[1]
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     group_size = q.shape[1] // kv_heads
     plan = group.tiles
-    if (
-        plan is None
-        or (plan.tile_rows, plan.kv_tile) != (tile_rows, kv_tile)
-        or plan.padded != padded_rows(n * group_size, tile_rows)
-    ):
-        plan = TilePlan.create(group, group_size, tile_rows, kv_tile)
-    q_rows = _query_rows(q, group.row_index, kv_heads, plan.padded, scale)  # [KVH, S, P, D]
-    keys = _gather_tiles(k_cache, plan, num_seqs, "keys")  # [nT, S, B, KVH, D]
-    values = _gather_tiles(v_cache, plan, num_seqs, "values")
-    out = torch.empty_like(q_rows)
-    for first, end, tiles, whole in plan.blocks:
-        _attend_block(
-            q_rows[:, :, first:end], keys[:tiles], values[:tiles], plan.hidden[whole:tiles, :, first:end],
-            whole, out[:, :, first:end],
+    if plan is None or not plan.fits(group_size, tile_rows, kv_tile):
+        plan = TilePlan.create(
+            group.row_index, group.query_positions, group.key_slots, group.seq_lens,
+            group_size=group_size, tile_rows=tile_rows, kv_tile=kv_tile,
         )  # fmt: skip
-    result = out[:, :, : n * group_size].reshape(kv_heads, num_seqs, n, group_size, -1)
-    return result.permute(1, 2, 0, 3, 4).reshape(num_seqs * n, kv_heads * group_size, -1)
+    num_seqs, n = plan.row_index.shape
+    q_rows = _query_rows(q, plan.row_index, kv_heads, plan.padded, scale)  # [KVH, S, P, D], plan order
+    keys = _gather_keys(k_cache, plan, "keys")  # [keys, KVH, D]
+    values = _gather_keys(v_cache, plan, "values")
+    out = torch.empty_like(q_rows)
+    for chunk in plan.chunks:
+        seqs = slice(chunk.first, chunk.end)
+        span = slice(chunk.slot_offset, chunk.slot_offset + chunk.tiles * (chunk.end - chunk.first) * kv_tile)
+        tile_shape = (chunk.tiles, chunk.end - chunk.first, kv_tile, kv_heads, head_dim)
+        chunk_keys, chunk_values = keys[span].view(tile_shape), values[span].view(tile_shape)
+        for block in chunk.blocks:
+            rows = slice(block.first, block.end)
+            _attend_block(
+                q_rows[:, seqs, rows], chunk_keys[: block.tiles], chunk_values[: block.tiles],
+                chunk.hidden[block.whole : block.tiles, :, rows], block.whole, out[:, seqs, rows],
+            )  # fmt: skip
+    result = out[:, :, : n * group_size].reshape(kv_heads, num_seqs, n, group_size, head_dim)
+    return plan.row_index, result.permute(1, 2, 0, 3, 4).reshape(
+        num_seqs * n, kv_heads * group_size, head_dim
+    )
 
 
 def _sdpa_group_attention(

@@ -199,3 +199,19 @@ def test_key_slots_must_be_whole_tiles() -> None:
             torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
             torch.zeros(1, 40, dtype=torch.int64), (1,), group_size=2, tile_rows=4, kv_tile=32,
         )  # fmt: skip
+
+
+def test_mixed_lengths_are_chunked_by_length() -> None:
+    """A decode group of short and long sequences is split into length-sorted chunks (and the grouped
+    decode plans above, which mix lengths 5..171, run through such chunks)."""
+    world = World("smollm2", torch.float32)
+    items: Items = [(1, 170, 1), (3, 4, 1), (0, 90, 1), (2, 3, 1)]
+    seq_lens = tuple(start + 1 for _, start, _ in items)
+    group = AttentionGroup.build(
+        torch.arange(4).view(4, 1), torch.tensor([[start] for _, start, _ in items]),
+        torch.stack([world.slots(seq, length, 192) for (seq, _, _), length in zip(items, seq_lens, strict=True)]),
+        seq_lens, group_size=world.group_size, tile_rows=4, kv_tile=32,
+    )  # fmt: skip
+    assert group.tiles is not None
+    assert group.tiles.row_index.flatten().tolist() == [1, 3, 2, 0]  # sorted by key tiles needed
+    assert [(chunk.first, chunk.end, chunk.tiles) for chunk in group.tiles.chunks] == [(0, 2, 1), (2, 4, 6)]

@@ -165,7 +165,8 @@ def _attend_block(
     q_rows: torch.Tensor,  # [KVH, S, Pb, D] fp32, Pb a multiple of T
     keys: torch.Tensor,  # [nTb, S, B, KVH, D] fp32
     values: torch.Tensor,  # [nTb, S, B, KVH, D] fp32
-    hidden: torch.Tensor,  # [nTb - whole, S, Pb, B] bool: the mask of the tiles after the first `whole`
+    bias: torch.Tensor,  # [nTb - whole, S, Pb, B] fp32: 0 / -inf, the mask of the tiles after `whole`
+    keep: torch.Tensor,  # [nTb - whole, S, Pb, B] fp32: 1 / 0, the same mask
     whole: int,  # leading tiles no row of the block has a hidden key in
     out: torch.Tensor,  # [KVH, S, Pb, D] fp32, written
 ) -> None:
@@ -184,10 +185,10 @@ def _attend_block(
         queries = q_rows[head].expand(num_tiles, num_seqs, rows, head_dim).reshape(batch, rows, head_dim)
         tile_keys = keys[:, :, :, head].view(batch, kv_tile, head_dim).transpose(1, 2)  # [nT*S, D, B]
         torch.bmm(queries, tile_keys, out=scores[head].view(batch, rows, kv_tile))
-    scores[:, whole:].masked_fill_(hidden, float("-inf"))
+    scores[:, whole:].add_(bias)  # hidden keys -inf, others unchanged (x + 0 == x)
     row_max = scores.amax(dim=-1, keepdim=True).amax(dim=1, keepdim=True)  # [KVH, 1, S, Pb, 1]
     probs = scores.sub_(row_max).clamp_min_(_EXP_FLOOR).exp_()
-    probs[:, whole:].masked_fill_(hidden, 0.0)
+    probs[:, whole:].mul_(keep)  # hidden keys exactly 0, others unchanged (x * 1 == x)
     tile_sums = probs.sum(dim=-1)  # [KVH, nT, S, Pb]
     tile_out = torch.empty((kv_heads, num_tiles, num_seqs, rows, head_dim))
     for head in range(kv_heads):
@@ -241,10 +242,10 @@ def _tiled_group_attention(
         tile_shape = (chunk.tiles, chunk.end - chunk.first, kv_tile, kv_heads, head_dim)
         chunk_keys, chunk_values = keys[span].view(tile_shape), values[span].view(tile_shape)
         for block in chunk.blocks:
-            rows = slice(block.first, block.end)
+            rows, masked = slice(block.first, block.end), slice(block.whole, block.tiles)
             _attend_block(
                 q_rows[:, seqs, rows], chunk_keys[: block.tiles], chunk_values[: block.tiles],
-                chunk.hidden[block.whole : block.tiles, :, rows], block.whole, out[:, seqs, rows],
+                chunk.bias[masked, :, rows], chunk.keep[masked, :, rows], block.whole, out[:, seqs, rows],
             )  # fmt: skip
     result = out[:, :, : n * group_size].reshape(kv_heads, num_seqs, n, group_size, head_dim)
     return plan.row_index, result.permute(1, 2, 0, 3, 4).reshape(

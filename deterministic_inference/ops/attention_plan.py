@@ -38,7 +38,11 @@ class SeqChunk:
     end: int
     slot_offset: int  # where this chunk's keys start in TilePlan.slots
     tiles: int
-    hidden: torch.Tensor  # [tiles, end - first, P, B] bool: True where the key is after the row's position
+    # The causal mask as arithmetic (masked_fill with a broadcast bool mask is ~40x slower than a mul):
+    bias: (
+        torch.Tensor
+    )  # [tiles, end - first, P, B] fp32: 0, or -inf where the key is after the row's position
+    keep: torch.Tensor  # [tiles, end - first, P, B] fp32: 1, or 0 where the key is after the row's position
     blocks: tuple[RowBlock, ...]
 
 
@@ -91,9 +95,10 @@ class TilePlan:
             slot_parts.append(chunk_slots.transpose(0, 1).reshape(-1))
             chunk_pos = row_pos[members]  # [S_c, P]
             key_index = torch.arange(tiles * kv_tile).view(tiles, 1, 1, kv_tile)
-            hidden = key_index > chunk_pos.view(1, end - first, padded, 1)  # [tiles, S_c, P, B]
+            visible = key_index <= chunk_pos.view(1, end - first, padded, 1)  # [tiles, S_c, P, B]
+            bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
             blocks = _row_blocks(chunk_pos, step, tiles, kv_tile)
-            chunks.append(SeqChunk(first, end, offset, tiles, hidden, blocks))
+            chunks.append(SeqChunk(first, end, offset, tiles, bias, visible.float(), blocks))
             offset += slot_parts[-1].shape[0]
         return cls(
             group_size, tile_rows, kv_tile, padded, row_index[order], torch.cat(slot_parts), tuple(chunks)

@@ -63,8 +63,12 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
     def numerics(self, resolved_dtype: str) -> dict[str, Any]:
-        """The settings that determine output bits, with the dtype resolved for this machine."""
+        """The settings that determine output bits, with the dtype resolved for this machine, and the
+        revision of the op formulations (bumped when a code change can change bits)."""
+        from deterministic_inference.ops import OPS_REVISION
+
         return {
+            "ops_revision": OPS_REVISION,
             "dtype": resolved_dtype,
             "batch_invariant": self.batch_invariant,
             "linear_tile_rows": self.linear_tile_rows,

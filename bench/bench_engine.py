@@ -1,6 +1,6 @@
 """Engine throughput on the default model: invariant on vs off, and HF transformers `generate`.
 
-Run by hand (not a test):  .venv/bin/python bench/bench_engine.py [--concurrency 1 8 32] [--prompt-len 128]
+Run by hand from the repository root (not a test):  .venv/bin/python -m bench.bench_engine [--concurrency 1 8 32] [--prompt-len 128]
   [--output-len 128] [--threads 2] [--no-hf]
 Prints one JSON line per measurement and a summary table. Measurements of one run are side by side, so
 compare their ratios; absolute numbers move with the machine's load.
@@ -19,6 +19,7 @@ from deterministic_inference.config import EngineConfig
 from deterministic_inference.engine.engine import Engine
 from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.model.loader import LoadedModel, load_model
+from tests.tiny_models import transformers_llama
 
 
 def make_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -47,26 +48,7 @@ def bench_engine(
 
 
 def bench_hf(loaded: LoadedModel, prompts: list[list[int]], output_len: int, dtype: torch.dtype) -> dict:
-    import transformers
-
-    spec = loaded.spec
-    config = transformers.LlamaConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        rms_norm_eps=spec.rms_norm_eps,
-        rope_theta=spec.rope_theta,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        pad_token_id=0,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.load_state_dict(loaded.weights, strict=False)
-    model.tie_weights()
+    model = transformers_llama(loaded)
     model = model.to(dtype)
     ids = torch.tensor(prompts)  # equal lengths: no padding needed
     with torch.no_grad():

@@ -229,3 +229,30 @@ def _write_tokenizer(writer: Any, hf_dir: Path, add_bos: bool, tokenizer_model: 
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHATML_TEMPLATE)
+
+
+def transformers_llama(loaded: Any) -> Any:
+    """A transformers `LlamaForCausalLM` (fp32, eval) holding a `LoadedModel`'s Llama weights: the
+    numeric reference for tests and the HF baseline of the benchmarks. eos handling is off."""
+    import transformers
+
+    spec = loaded.spec
+    config = transformers.LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        rms_norm_eps=spec.rms_norm_eps,
+        rope_theta=spec.rope_theta,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.load_state_dict(loaded.weights, strict=False)
+    model.tie_weights()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model

@@ -9,7 +9,7 @@ from deterministic_inference.engine.model_runner import ModelRunner
 from deterministic_inference.engine.plan import ScheduledChunk, StepPlan
 from deterministic_inference.model.llama import DecoderModel, Numerics
 from deterministic_inference.model.loader import load_model
-from tests.tiny_models import TinyModel
+from tests.tiny_models import TinyModel, transformers_llama
 
 
 def prefill_logits(model: DecoderModel, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
@@ -42,34 +42,14 @@ def test_logits_match_transformers(
 @pytest.mark.slow
 def test_smollm2_greedy_tokens_match_transformers() -> None:
     """64 greedy steps on the real default model: same tokens as transformers fed the same weights."""
-    import transformers
-
     from deterministic_inference.config import EngineConfig
     from deterministic_inference.engine.engine import Engine
     from deterministic_inference.engine.sampling_params import SamplingParams
 
     loaded = load_model(None)
-    spec = loaded.spec
-    config = transformers.LlamaConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        rms_norm_eps=spec.rms_norm_eps,
-        rope_theta=spec.rope_theta,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
-    )
-    reference = transformers.LlamaForCausalLM(config).eval()
-    reference.load_state_dict(loaded.weights, strict=False)
-    reference.tie_weights()
-    # No end-of-sequence handling on either side (ours: ignore_eos); min_new_tokens would instead
-    # suppress the eos logit in transformers and change its argmax.
-    reference.generation_config.eos_token_id = None
-    reference.generation_config.pad_token_id = 0
+    # eos handling is off on both sides (ours: ignore_eos); min_new_tokens would instead suppress
+    # the eos logit in transformers and change its argmax.
+    reference = transformers_llama(loaded)
     engine = Engine(EngineConfig(dtype="float32", selfcheck=False), loaded=loaded)
     prompts = [
         engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),

@@ -1,7 +1,8 @@
 """Engine throughput on the default model: invariant on vs off, and HF transformers `generate`.
 
-Run by hand from the repository root (not a test):  .venv/bin/python -m bench.bench_engine [--concurrency 1 8 32] [--prompt-len 128]
-  [--output-len 128] [--threads 2] [--no-hf]
+Run by hand from the repository root (not a test):
+  .venv/bin/python -m bench.bench_engine [--concurrency 1 8 32] [--prompt-len 128] [--output-len 128]
+  [--threads 2] [--no-hf]
 Prints one JSON line per measurement and a summary table. Measurements of one run are side by side, so
 compare their ratios; absolute numbers move with the machine's load.
 """

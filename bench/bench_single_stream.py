@@ -63,7 +63,8 @@ def main() -> None:
     print(f"threads {args.threads}, output {args.output_len} tokens, repeats {args.repeats}")
     for name, values in rates.items():
         median = statistics.median(values)
-        print(f"{name:<14} {median:8.1f} tok/s  ({median / reference:.2f}x llama.cpp)  runs {[round(v, 1) for v in values]}")
+        runs = [round(v, 1) for v in values]
+        print(f"{name:<14} {median:8.1f} tok/s  ({median / reference:.2f}x llama.cpp)  runs {runs}")
 
 
 if __name__ == "__main__":

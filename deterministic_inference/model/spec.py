@@ -5,8 +5,8 @@ Hugging Face (Llama-style) parameter names, so the architectures never see file 
 
     model.embed_tokens.weight                      [vocab, hidden]
     model.layers.{i}.input_layernorm.weight        [hidden]
-    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight   q: [heads*head_dim, hidden], k/v: [kv_heads*head_dim, hidden],
-                                                       o: [hidden, heads*head_dim]
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight   q: [heads*head_dim, hidden],
+                                    k/v: [kv_heads*head_dim, hidden], o: [hidden, heads*head_dim]
     model.layers.{i}.self_attn.{q,k,v}_proj.bias   (qwen2 only)
     model.layers.{i}.self_attn.{q,k}_norm.weight   [head_dim] (qwen3 only)
     model.layers.{i}.post_attention_layernorm.weight   [hidden]

@@ -1,7 +1,7 @@
 """Op-level costs of the batch-invariant path at SmolLM2-135M shapes (random weights of the real shapes).
 
-Run by hand (not a test):
-    .venv/bin/python bench/bench_ops.py [--section linear attention activation step] [--threads 1]
+Run by hand from the repository root (not a test):
+    .venv/bin/python -m bench.bench_ops [--section linear attention activation step engine] [--threads 1]
 
 Every table compares variants timed side by side in one run (interleaved rounds, best round kept), so
 read the ratios; absolute times move with the machine's load.
@@ -203,11 +203,44 @@ def bench_step(rounds: int, cases: list[tuple[int, int, int]]) -> None:
         print_row(f"{num_seqs}x{n} @ {context}", best_times(fns, rounds), "plain-bf16")
 
 
+def bench_engine_numerics(concurrency: int, prompt_len: int, output_len: int, with_hf: bool) -> None:
+    """Whole-engine greedy throughput on the default model for several numerics (and HF transformers)."""
+    from bench.bench_engine import bench_hf, make_prompts
+    from deterministic_inference.config import EngineConfig
+    from deterministic_inference.engine.engine import Engine
+    from deterministic_inference.engine.sampling_params import SamplingParams
+    from deterministic_inference.model.loader import load_model
+
+    loaded = load_model(None)
+    prompts = make_prompts(concurrency, prompt_len, loaded.spec.vocab_size)
+    variants = {
+        "inv bf16 T=4 B=64": {"linear_tile_rows": 4, "attention_kv_tile": 64},
+        "inv bf16 T=8 B=32": {"linear_tile_rows": 8, "attention_kv_tile": 32},
+        "plain bf16": {"batch_invariant": False},
+    }
+    print(f"\n### engine, {concurrency} streams x ({prompt_len} prompt + {output_len} generated): tokens/s")
+    print("| numerics | generated tok/s |\n|---|---|")
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for name, fields in variants.items():
+        config = EngineConfig(dtype="bfloat16", max_num_seqs=max(64, concurrency), selfcheck=False, **fields)
+        engine = Engine(config, loaded=loaded)
+        engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+        start = time.perf_counter()
+        outputs = engine.generate(prompts, params)
+        generated = sum(len(output.outputs[0].token_ids) for output in outputs)
+        print(f"| {name} | {generated / (time.perf_counter() - start):.1f} |", flush=True)
+    if with_hf:
+        run = bench_hf(loaded, prompts, output_len, torch.bfloat16)
+        print(f"| HF transformers bf16 generate | {run['tokens'] / run['seconds']:.1f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--section", nargs="+", default=["linear", "attention", "activation", "step"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--concurrency", type=int, default=32, help="engine section: streams")
+    parser.add_argument("--no-hf", action="store_true", help="engine section: skip HF transformers")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
@@ -220,6 +253,8 @@ def main() -> None:
     if "step" in args.section:
         steps = [(1, 1, 256), (8, 1, 256), (32, 1, 128), (32, 1, 512), (4, 128, 128), (1, 512, 512)]
         bench_step(max(2, args.rounds // 2), steps)
+    if "engine" in args.section:  # not in the default sections: several minutes
+        bench_engine_numerics(args.concurrency, 128, 128, not args.no_hf)
 
 
 if __name__ == "__main__":

@@ -207,9 +207,9 @@ def test_mixed_lengths_are_chunked_by_length() -> None:
     world = World("smollm2", torch.float32)
     items: Items = [(1, 170, 1), (3, 4, 1), (0, 90, 1), (2, 3, 1)]
     seq_lens = tuple(start + 1 for _, start, _ in items)
+    slots = [world.slots(seq, length, 192) for (seq, _, _), length in zip(items, seq_lens, strict=True)]
     group = AttentionGroup.build(
-        torch.arange(4).view(4, 1), torch.tensor([[start] for _, start, _ in items]),
-        torch.stack([world.slots(seq, length, 192) for (seq, _, _), length in zip(items, seq_lens, strict=True)]),
+        torch.arange(4).view(4, 1), torch.tensor([[start] for _, start, _ in items]), torch.stack(slots),
         seq_lens, group_size=world.group_size, tile_rows=4, kv_tile=32,
     )  # fmt: skip
     assert group.tiles is not None

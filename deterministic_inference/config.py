@@ -26,8 +26,8 @@ class EngineConfig:
     model: str | None = None  # GGUF file or HF directory; None = the embedded default model
     dtype: str = "auto"  # "auto" (bf16 on CPUs with native bf16, else fp32), "float32", "bfloat16"
     batch_invariant: bool = True  # False = plain torch ops (benchmarks, negative controls)
-    linear_tile_rows: int = 8  # GEMM row granularity T: every linear call sees a multiple of T rows
-    attention_kv_tile: int = 32  # keys per attention tile B, merged in ascending order
+    linear_tile_rows: int = 4  # GEMM row granularity T: every linear call sees a multiple of T rows
+    attention_kv_tile: int = 64  # keys per attention tile B, merged in ascending order
     kv_block_size: int = 16  # tokens per paged KV-cache block (also the prefix-cache unit)
     num_kv_blocks: int | None = None  # None = enough for max_num_seqs sequences of max_model_len / 4
     max_model_len: int | None = None  # None = the model's context length

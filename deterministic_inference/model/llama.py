@@ -98,7 +98,8 @@ class DecoderLayer:
         normed = rms_norm(hidden, self.post_attention_norm, spec.rms_norm_eps)
         gate_up = self.gate_up(normed)  # [T, 2 * inter]
         inter = spec.intermediate_size
-        return hidden + self.down(silu_mul(gate_up[:, :inter], gate_up[:, inter:]))
+        activated = silu_mul(gate_up[:, :inter], gate_up[:, inter:], batch_invariant=numerics.batch_invariant)
+        return hidden + self.down(activated)
 
 
 class DecoderModel:

@@ -25,6 +25,7 @@ from typing import Any
 import jsonschema
 import yaml
 
+from deterministic_inference.config import EngineConfig
 from deterministic_inference.errors import WorkflowError
 from deterministic_inference.workflow import migrate
 from deterministic_inference.workflow.canonical import loads_strict, manifest_id
@@ -44,7 +45,9 @@ def defaults() -> dict[str, Any]:
     """The values a manifest gets for every field it leaves out (a fresh copy)."""
     return {
         "model": {"files": []},
-        "engine": {"dtype": "auto", "batch_invariant": True, "linear_tile_rows": 8, "attention_kv_tile": 32,
+        "engine": {"dtype": "auto", "batch_invariant": True,
+                   "linear_tile_rows": EngineConfig.linear_tile_rows,
+                   "attention_kv_tile": EngineConfig.attention_kv_tile,
                    "kv_block_size": 16, "seed": 0, "max_model_len": None, "num_kv_blocks": None,
                    "selfcheck": True},
         "inference": {

@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from deterministic_inference import fingerprint
+from deterministic_inference.config import EngineConfig
 from deterministic_inference.errors import WorkflowError
 from deterministic_inference.workflow import artifacts, closure
 from deterministic_inference.workflow.dataset import REFERENCE_DATASET, REFERENCE_DATASET_DIGEST, load_dataset
@@ -52,7 +53,9 @@ def init_manifest(model: Path | None, n_prompts: int, max_tokens: int) -> dict[s
         "metadata": {"name": _safe_name(f"{name}-greedy"),
                      "description": f"Greedy decoding of {n_prompts} reference prompts on {name}."},
         "model": {"source": source, "files": files},
-        "engine": {"dtype": "auto", "batch_invariant": True, "linear_tile_rows": 8, "attention_kv_tile": 32,
+        "engine": {"dtype": "auto", "batch_invariant": True,
+                   "linear_tile_rows": EngineConfig.linear_tile_rows,
+                   "attention_kv_tile": EngineConfig.attention_kv_tile,
                    "kv_block_size": 16, "seed": 0, "selfcheck": True},
         "inference": {
             "dataset": {"source": REFERENCE_DATASET, "digest": REFERENCE_DATASET_DIGEST},

@@ -125,7 +125,7 @@ def run_selfcheck(spec: ModelSpec, numerics: Numerics, threads: int | None) -> S
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(0)
     results: list[ProbeResult] = []
-    with _threads(probe_threads):
+    with torch_threads(probe_threads):
         results.extend(_linear_probes(spec, numerics, probe_threads, generator))
         results.extend(_elementwise_probes(spec, numerics, probe_threads, generator))
         results.append(_exp_probe(generator))
@@ -142,7 +142,7 @@ def run_selfcheck(spec: ModelSpec, numerics: Numerics, threads: int | None) -> S
 
 
 @contextmanager
-def _threads(count: int) -> Iterator[None]:
+def torch_threads(count: int) -> Iterator[None]:
     """Run a block with `count` torch threads, then restore the previous count."""
     previous = torch.get_num_threads()
     torch.set_num_threads(count)
@@ -175,7 +175,7 @@ def _row_probe(
     """Rows of `inputs` alone (one thread) vs inside a random batch of each size, probe rows placed at
     the first, a middle and the last position (one call per size)."""
     width, count = inputs.shape[1], inputs.shape[0]
-    with _threads(1):
+    with torch_threads(1):
         references = [_bits(fn(inputs[i : i + 1]))[0] for i in range(count)]
     for size in sizes:
         batch = torch.randn(size, width, generator=generator).to(inputs.dtype)
@@ -329,7 +329,7 @@ def _attention_probe(
     tile = numerics.kv_tile
     length = 2 * tile + 7  # spans three key tiles
     world = _AttentionWorld(spec, numerics.dtype, [length, 3 * tile + 1, 5], generator)
-    with _threads(1):
+    with torch_threads(1):
         reference = world.run([(0, 0, length)], numerics)
     positions = sorted({0, 1, tile - 1, tile, tile + 1, 2 * tile, length - 1})
     plans: dict[str, list[list[tuple[int, int, int]]]] = {

@@ -269,15 +269,17 @@ class Engine:
                 state.prompt_logprobs.append(None)  # position 0 has no logprob
                 state.prompt_top_logprobs.append([])
             prompt = request.prompt_token_ids
-            for row, position in enumerate(
-                range(chunk.start_position, chunk.start_position + len(chunk.token_ids))
-            ):
-                target = position + 1
-                if target >= len(prompt) or target < len(state.prompt_logprobs):
-                    continue
-                values, tops = sampler.prompt_logprobs(chunk_logits[row : row + 1], [prompt[target]], k)
-                state.prompt_logprobs.append(values[0])
-                state.prompt_top_logprobs.append(tops[0])
+            # Row r predicts prompt[start + r + 1]; keep the rows whose target is a prompt position not
+            # collected yet (a recompute after preemption covers positions already collected).
+            start = chunk.start_position
+            first_row = max(0, len(state.prompt_logprobs) - 1 - start)
+            end_row = min(len(chunk.token_ids), len(prompt) - 1 - start)
+            if first_row >= end_row:
+                continue
+            targets = prompt[start + first_row + 1 : start + end_row + 1]
+            values, tops = sampler.prompt_logprobs(chunk_logits[first_row:end_row], targets, k)
+            state.prompt_logprobs.extend(values)
+            state.prompt_top_logprobs.extend(tops)
 
     def _outputs_for(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         outputs = []

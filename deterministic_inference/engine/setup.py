@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from deterministic_inference.config import EngineConfig
+from deterministic_inference.fingerprint import hardware_fingerprint
 from deterministic_inference.model.llama import DecoderModel, Numerics
 from deterministic_inference.model.loader import LoadedModel
 from deterministic_inference.model.spec import ModelSpec
@@ -16,18 +15,11 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 DEFAULT_KV_CACHE_BYTES = 2 << 30  # KV memory when num_kv_blocks is not set
 
 
-def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """True when the CPU advertises bf16 arithmetic (AVX512_BF16 or AMX-BF16)."""
-    try:
-        text = cpuinfo.read_text(errors="replace")
-    except OSError:
-        return False
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.partition(":")[2].split())
-            break
-    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU advertises bf16 arithmetic (AVX512_BF16 or AMX-BF16), read from the same
+    ISA features the hardware fingerprint records."""
+    isa = hardware_fingerprint()["isa"]
+    return any(isa.get(flag, False) for flag in NATIVE_BF16_FLAGS)
 
 
 def resolve_dtype(requested: str) -> str:

@@ -146,3 +146,27 @@ def test_decode_logprobs_equal_prompt_logprobs(tiny_loaded: LoadedModel, params:
     assert scored.prompt_logprobs is not None
     tail = scored.prompt_logprobs[len(prompt) :]
     assert [bits(v) for v in tail if v is not None] == [bits(v) for v in generated.logprobs]
+
+
+def test_prompt_logprobs_survive_chunking_and_preemption(tiny_loaded: LoadedModel) -> None:
+    """Prompt logprobs collected over 7-token chunks with preemptions equal one unchunked prefill."""
+    prompts = random_prompts(6, tiny_loaded.spec.vocab_size, seed=5)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+
+    def collect(**overrides: object) -> tuple[list[object], int]:
+        settings: dict[str, object] = {"dtype": "float32", "selfcheck": False}
+        settings.update(overrides)
+        engine = Engine(EngineConfig(**settings), loaded=tiny_loaded, record_trace=True)  # type: ignore[arg-type]
+        outputs = engine.generate(prompts, params)
+        preemptions = sum(len(plan.preempted_ids) for plan in engine.trace)
+        signature = [
+            ([None if v is None else bits(v) for v in o.prompt_logprobs or []], o.prompt_top_logprobs)
+            for o in outputs
+        ]
+        return signature, preemptions
+
+    reference, _ = collect()
+    squeezed, preemptions = collect(max_num_batched_tokens=7, num_kv_blocks=8)
+    assert preemptions > 0
+    assert squeezed == reference
+    assert all(len(sig[0]) == len(p) for sig, p in zip(reference, prompts, strict=True))

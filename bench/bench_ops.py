@@ -10,8 +10,10 @@ read the ratios; absolute times move with the machine's load.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +24,9 @@ from deterministic_inference.model.llama import DecoderModel, Numerics
 from deterministic_inference.model.loader import expected_shapes
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.activation import silu_mul
-from deterministic_inference.ops.attention import AttentionGroup, AttentionMetadata, paged_attention
+from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache, paged_attention
 from deterministic_inference.ops.linear import Linear
+from deterministic_inference.ops.native import native_kernels
 
 SMOLLM2 = ModelSpec(
     architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -34,7 +37,7 @@ BLOCK = 16
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def best_times(fns: dict[str, Callable[[], object]], rounds: int, inner: int = 1) -> dict[str, float]:
+def best_times(fns: Mapping[str, Callable[[], object]], rounds: int, inner: int = 1) -> dict[str, float]:
     """Best-of-`rounds` milliseconds per call, variants interleaved round by round."""
     best = {name: float("inf") for name in fns}
     for fn in fns.values():
@@ -49,6 +52,7 @@ def best_times(fns: dict[str, Callable[[], object]], rounds: int, inner: int = 1
 
 
 def print_row(label: str, times: dict[str, float], base: str) -> None:
+    """One markdown table row: each variant's ms and its ratio to `base`."""
     cells = " | ".join(f"{times[name]:.3f} ({times[name] / times[base]:.2f}x)" for name in times)
     print(f"| {label} | {cells} |", flush=True)
 
@@ -70,9 +74,8 @@ def bench_linear(rounds: int) -> None:
                     "mkldnn8": Linear(weight, None, tile_rows=8, batch_invariant=True),
                     "aten4": Linear(weight, None, tile_rows=4, batch_invariant=True, backend="aten"),
                 }
-                times = best_times(
-                    {k: (lambda lin=v, x=x: lin(x)) for k, v in variants.items()}, rounds, inner=3
-                )
+                calls = {name: functools.partial(linear, x) for name, linear in variants.items()}
+                times = best_times(calls, rounds, inner=3)
                 for key, value in times.items():
                     totals[key] = totals.get(key, 0.0) + value
             print_row(f"{dtype_name} M={rows} layer", totals, "plain")
@@ -85,54 +88,43 @@ def bench_linear(rounds: int) -> None:
             "mkldnn8": Linear(head, None, tile_rows=8, batch_invariant=True),
             "aten4": Linear(head, None, tile_rows=4, batch_invariant=True, backend="aten"),
         }
-        times = best_times({k: (lambda lin=v, x=x: lin(x)) for k, v in variants.items()}, rounds)
+        times = best_times({name: functools.partial(linear, x) for name, linear in variants.items()}, rounds)
         print_row(f"fp32 M={rows} lm_head", times, "plain")
 
 
 def _attention_inputs(
-    num_seqs: int, n: int, context: int, dtype: torch.dtype, kv_tile: int, tile_rows: int
+    num_seqs: int, n: int, context: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Random cache holding `num_seqs` sequences of `context` keys in scattered blocks; n queries each."""
+    """Random cache holding `num_seqs` sequences of `context` keys in scattered blocks; each sequence's
+    last `n` tokens are the queries. -> q [S*n, H, D], keys, values, metadata."""
     spec = SMOLLM2
     blocks_per_seq = -(-context // BLOCK)
     num_blocks = num_seqs * blocks_per_seq + 1
-    shape = (num_blocks * BLOCK, spec.num_kv_heads, spec.head_dim)
-    k_cache, v_cache = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
-    order = (torch.randperm(num_blocks - 1) + 1).view(num_seqs, blocks_per_seq)
-    padded_len = -(-context // kv_tile) * kv_tile
-    key = torch.arange(padded_len)
-    block_of_key = torch.clamp(key // BLOCK, max=blocks_per_seq - 1)
-    slots = order[:, block_of_key] * BLOCK + key % BLOCK  # [S, Lp]
-    slots = torch.where(key < context, slots, torch.zeros_like(slots))
-    row_index = torch.arange(num_seqs * n).view(num_seqs, n)
-    positions = torch.arange(context - n, context).expand(num_seqs, n)
-    group = AttentionGroup.build(
-        row_index, positions, slots, (context,) * num_seqs,
-        group_size=spec.group_size, tile_rows=tile_rows, kv_tile=kv_tile,
-    )  # fmt: skip
-    meta = AttentionMetadata(torch.zeros(num_seqs * n, dtype=torch.int64), (group,), num_seqs * n)
+    k_cache, v_cache = new_kv_cache(num_blocks, BLOCK, spec.num_kv_heads, spec.head_dim, dtype)
+    k_cache.copy_(torch.randn(k_cache.shape))  # [blocks, KVH, D, BLOCK]
+    v_cache.copy_(torch.randn(v_cache.shape))  # [blocks, KVH, BLOCK, D]
+    tables = (torch.randperm(num_blocks - 1) + 1).view(num_seqs, blocks_per_seq).tolist()
+    meta = AttentionMetadata.build([(context - n, n, table) for table in tables], BLOCK)
     q = torch.randn(num_seqs * n, spec.num_heads, spec.head_dim).to(dtype)
     return q, k_cache, v_cache, meta
 
 
 def bench_attention(rounds: int) -> None:
-    """Invariant tiled attention (B, T) vs per-sequence SDPA (batch_invariant=False), one layer."""
-    cases = [(8, 1, 128), (8, 1, 512), (32, 1, 128), (32, 1, 512), (4, 128, 128), (1, 512, 512)]
-    configs = [(32, 8), (64, 4), (64, 8), (128, 4)]
-    print("\n### attention, one layer: ms per call (ratio to per-sequence SDPA)")
-    header = " | ".join(f"inv B={b} T={t}" for b, t in configs)
-    print(f"| dtype S x n @ context | sdpa | {header} |\n|---|---|" + "---|" * len(configs))
+    """Invariant attention (the compiled kernel) vs per-sequence SDPA (batch_invariant=False), one layer."""
+    cases = [(32, 1, 256), (4, 128, 128)]  # (sequences, query tokens each, context): decode, prefill
+    kernels = native_kernels()  # builds the kernel on first use (NativeBuildError without a C compiler)
+    print(f"\n### attention, one layer: ms per call (ratio to per-sequence SDPA); kernel {kernels.digest}")
+    print("| dtype S x n @ context | sdpa | native kernel |\n|---|---|---|")
     for dtype_name, dtype in DTYPES.items():
         for num_seqs, n, context in cases:
-            fns: dict[str, Callable[[], object]] = {}
-            for name, (kv_tile, tile_rows), invariant in [
-                ("sdpa", configs[0], False),
-                *((f"B{b}T{t}", (b, t), True) for b, t in configs),
-            ]:
-                q, k_cache, v_cache, meta = _attention_inputs(num_seqs, n, context, dtype, kv_tile, tile_rows)
-                fns[name] = lambda q=q, k=k_cache, v=v_cache, m=meta, b=kv_tile, t=tile_rows, i=invariant: (
-                    paged_attention(q, k, v, m, scale=0.125, kv_tile=b, tile_rows=t, batch_invariant=i)
+            q, k_cache, v_cache, meta = _attention_inputs(num_seqs, n, context, dtype)
+            scale = SMOLLM2.head_dim**-0.5
+            fns = {
+                name: functools.partial(
+                    paged_attention, q, k_cache, v_cache, meta, scale=scale, kernels=choice
                 )
+                for name, choice in (("sdpa", None), ("native", kernels))
+            }
             print_row(f"{dtype_name} {num_seqs}x{n} @ {context}", best_times(fns, rounds), "sdpa")
 
 
@@ -145,10 +137,15 @@ def bench_activation(rounds: int) -> None:
             gate_up = (torch.randn(rows, 3072) * 3).to(dtype)
             gate, up = gate_up[:, :1536], gate_up[:, 1536:]
             fns = {
-                "plain": lambda g=gate, u=up: F.silu(g) * u,
-                "inv": lambda g=gate, u=up: silu_mul(g, u, batch_invariant=True),
+                "plain": functools.partial(_plain_silu_mul, gate, up),
+                "inv": functools.partial(silu_mul, gate, up, batch_invariant=True),
             }
             print_row(f"{dtype_name} M={rows}", best_times(fns, rounds, inner=5), "plain")
+
+
+def _plain_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The plain formulation silu_mul replaces: F.silu(gate) * up."""
+    return F.silu(gate) * up
 
 
 def random_weights(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -184,12 +181,11 @@ def bench_step(rounds: int, cases: list[tuple[int, int, int]]) -> None:
     """One full model step (30 layers + logits head) for several numerics, ratio to plain bf16."""
     weights = random_weights(SMOLLM2)
     numerics = {
-        "plain-bf16": Numerics(torch.bfloat16, False, 4, 64),
-        "inv-bf16-T4-B64": Numerics(torch.bfloat16, True, 4, 64),
-        "inv-bf16-T4-B128": Numerics(torch.bfloat16, True, 4, 128),
-        "inv-bf16-T8-B32": Numerics(torch.bfloat16, True, 8, 32),
-        "plain-fp32": Numerics(torch.float32, False, 4, 64),
-        "inv-fp32-T4-B64": Numerics(torch.float32, True, 4, 64),
+        "plain-bf16": Numerics(torch.bfloat16, False, 4),
+        "inv-bf16-T4": Numerics(torch.bfloat16, True, 4),
+        "inv-bf16-T8": Numerics(torch.bfloat16, True, 8),
+        "plain-fp32": Numerics(torch.float32, False, 4),
+        "inv-fp32-T4": Numerics(torch.float32, True, 4),
     }
     runners = {}
     for name, numeric in numerics.items():
@@ -199,7 +195,7 @@ def bench_step(rounds: int, cases: list[tuple[int, int, int]]) -> None:
     print("| S x n @ context | " + " | ".join(numerics) + " |\n|---|" + "---|" * len(numerics))
     for num_seqs, n, context in cases:
         plan = _step_plan(num_seqs, n, context)
-        fns = {name: (lambda r=runner, p=plan: r.execute(p)) for name, runner in runners.items()}
+        fns = {name: functools.partial(runner.execute, plan) for name, runner in runners.items()}
         print_row(f"{num_seqs}x{n} @ {context}", best_times(fns, rounds), "plain-bf16")
 
 
@@ -213,9 +209,9 @@ def bench_engine_numerics(concurrency: int, prompt_len: int, output_len: int, wi
 
     loaded = load_model(None)
     prompts = make_prompts(concurrency, prompt_len, loaded.spec.vocab_size)
-    variants = {
-        "inv bf16 T=4 B=64": {"linear_tile_rows": 4, "attention_kv_tile": 64},
-        "inv bf16 T=8 B=32": {"linear_tile_rows": 8, "attention_kv_tile": 32},
+    variants: dict[str, dict[str, Any]] = {
+        "inv bf16 T=4": {"linear_tile_rows": 4},
+        "inv bf16 T=8": {"linear_tile_rows": 8},
         "plain bf16": {"batch_invariant": False},
     }
     print(f"\n### engine, {concurrency} streams x ({prompt_len} prompt + {output_len} generated): tokens/s")

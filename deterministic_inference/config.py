@@ -27,7 +27,6 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" (bf16 on CPUs with native bf16, else fp32), "float32", "bfloat16"
     batch_invariant: bool = True  # False = plain torch ops (benchmarks, negative controls)
     linear_tile_rows: int = 4  # GEMM row granularity T: every linear call sees a multiple of T rows
-    attention_kv_tile: int = 64  # keys per attention tile B, merged in ascending order
     kv_block_size: int = 16  # tokens per paged KV-cache block (also the prefix-cache unit)
     num_kv_blocks: int | None = None  # None = enough for max_num_seqs sequences of max_model_len / 4
     max_model_len: int | None = None  # None = the model's context length
@@ -42,7 +41,6 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
         _positive("linear_tile_rows", self.linear_tile_rows)
-        _positive("attention_kv_tile", self.attention_kv_tile)
         _positive("kv_block_size", self.kv_block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -50,11 +48,6 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None:
                 _positive(name, value)
-        if self.attention_kv_tile % 16 != 0:
-            raise ConfigError(
-                f"attention_kv_tile: {self.attention_kv_tile} must be a multiple of 16 "
-                "(softmax over padded tiles is only padding-invariant from 16 keys)"
-            )
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed: {self.seed} must be in [0, 2**63)")
 
@@ -66,13 +59,14 @@ class EngineConfig:
         """The settings that determine output bits, with the dtype resolved for this machine, and the
         revision of the op formulations (bumped when a code change can change bits)."""
         from deterministic_inference.ops import OPS_REVISION
+        from deterministic_inference.ops.native import source_digest
 
         return {
             "ops_revision": OPS_REVISION,
+            "attention_kernel": source_digest(),
             "dtype": resolved_dtype,
             "batch_invariant": self.batch_invariant,
             "linear_tile_rows": self.linear_tile_rows,
-            "attention_kv_tile": self.attention_kv_tile,
             "kv_block_size": self.kv_block_size,
         }
 

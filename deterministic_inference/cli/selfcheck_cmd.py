@@ -38,7 +38,6 @@ def run_selfcheck_command(args: argparse.Namespace) -> int:
         dtype=getattr(torch, dtype_name),
         batch_invariant=True,
         tile_rows=config.linear_tile_rows,
-        kv_tile=config.attention_kv_tile,
     )
     spec = load_model(config.model).spec
     report = run_selfcheck(spec, numerics, config.threads)

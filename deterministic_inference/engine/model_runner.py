@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from deterministic_inference.engine.plan import ScheduledChunk, StepPlan
+from deterministic_inference.engine.plan import StepPlan
 from deterministic_inference.model.llama import DecoderModel, LayerHook
-from deterministic_inference.ops.attention import AttentionGroup, AttentionMetadata
+from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache
 
 
 @dataclass(frozen=True)
@@ -29,29 +29,25 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
-        slots = num_blocks * block_size
-        shape = (slots, spec.num_kv_heads, spec.head_dim)
         dtype = model.numerics.dtype
-        # kv_caches[layer] = (keys, values), each [num_blocks * block_size, kv_heads, head_dim]
+        # kv_caches[layer] = (keys [blocks, KVH, D, block_size], values [blocks, KVH, block_size, D])
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.layers
+            new_kv_cache(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype)
+            for _ in model.layers
         ]
 
     def prepare(self, plan: StepPlan) -> StepInputs:
-        """Builds input ids, positions, cache slots and attention groups for a plan."""
+        """Builds input ids, positions and the attention metadata (block tables) for a plan."""
         ids: list[int] = []
         positions: list[int] = []
         offsets: list[int] = []
-        slots: list[int] = []
         for chunk in plan.chunks:
             offsets.append(len(ids))
             ids.extend(chunk.token_ids)
-            chunk_positions = range(chunk.start_position, chunk.start_position + len(chunk.token_ids))
-            positions.extend(chunk_positions)
-            slots.extend(self._slot(chunk, position) for position in chunk_positions)
-        groups = self._groups(plan.chunks, offsets)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64), groups=groups, num_tokens=len(ids)
+            positions.extend(range(chunk.start_position, chunk.start_position + len(chunk.token_ids)))
+        meta = AttentionMetadata.build(
+            [(chunk.start_position, len(chunk.token_ids), chunk.block_ids) for chunk in plan.chunks],
+            self.block_size,
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -92,50 +88,3 @@ class ModelRunner:
             results.append(logits[cursor : cursor + len(span)])
             cursor += len(span)
         return results
-
-    def _slot(self, chunk: ScheduledChunk, position: int) -> int:
-        return chunk.block_ids[position // self.block_size] * self.block_size + position % self.block_size
-
-    def _groups(self, chunks: tuple[ScheduledChunk, ...], offsets: list[int]) -> tuple[AttentionGroup, ...]:
-        """Chunks grouped by query length (ascending), plan order inside a group."""
-        by_length: dict[int, list[int]] = {}
-        for index, chunk in enumerate(chunks):
-            by_length.setdefault(len(chunk.token_ids), []).append(index)
-        kv_tile = self.model.numerics.kv_tile
-        groups = []
-        for length in sorted(by_length):
-            members = [chunks[i] for i in by_length[length]]
-            seq_lens = [chunk.start_position + length for chunk in members]
-            padded_len = -(-max(seq_lens) // kv_tile) * kv_tile
-            row_index = torch.tensor(
-                [[offsets[i] + r for r in range(length)] for i in by_length[length]], dtype=torch.int64
-            )
-            query_positions = torch.tensor(
-                [[chunk.start_position + r for r in range(length)] for chunk in members], dtype=torch.int64
-            )
-            key_slots = torch.stack(
-                [
-                    self._key_slots(chunk, seq_len, padded_len)
-                    for chunk, seq_len in zip(members, seq_lens, strict=True)
-                ]
-            )
-            groups.append(
-                AttentionGroup.build(
-                    row_index,
-                    query_positions,
-                    key_slots,
-                    tuple(seq_lens),
-                    group_size=self.model.spec.group_size,
-                    tile_rows=self.model.numerics.tile_rows,
-                    kv_tile=kv_tile,
-                )
-            )
-        return tuple(groups)
-
-    def _key_slots(self, chunk: ScheduledChunk, seq_len: int, padded_len: int) -> torch.Tensor:
-        """[padded_len] cache slots of keys 0..padded_len-1; keys at or past seq_len read slot 0 (masked)."""
-        key_index = torch.arange(padded_len)
-        blocks = torch.tensor(chunk.block_ids, dtype=torch.int64)
-        block_of_key = torch.clamp(key_index // self.block_size, max=len(chunk.block_ids) - 1)
-        slots = blocks[block_of_key] * self.block_size + key_index % self.block_size
-        return torch.where(key_index < seq_len, slots, torch.zeros_like(slots))

@@ -37,7 +37,6 @@ def build_model(
         dtype=DTYPES[dtype_name],
         batch_invariant=config.batch_invariant,
         tile_rows=config.linear_tile_rows,
-        kv_tile=config.attention_kv_tile,
     )
     return DecoderModel(loaded.spec, loaded.weights, numerics, max_model_len)
 

@@ -16,6 +16,7 @@ from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.activation import silu_mul
 from deterministic_inference.ops.attention import AttentionMetadata, paged_attention, write_kv
 from deterministic_inference.ops.linear import Linear
+from deterministic_inference.ops.native import NativeKernels, native_kernels
 from deterministic_inference.ops.norm import rms_norm
 from deterministic_inference.ops.rope import RotaryTable
 
@@ -25,12 +26,11 @@ LayerHook = Callable[[int, torch.Tensor], None]
 
 @dataclass(frozen=True)
 class Numerics:
-    """How the ops compute: dtype, invariance switch, GEMM row tile and attention key tile."""
+    """How the ops compute: dtype, invariance switch and GEMM row tile."""
 
     dtype: torch.dtype
     batch_invariant: bool
     tile_rows: int
-    kv_tile: int
 
 
 class DecoderLayer:
@@ -68,6 +68,7 @@ class DecoderLayer:
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         rotary: RotaryTable,
+        kernels: NativeKernels | None,
     ) -> torch.Tensor:
         spec, numerics = self.spec, self.numerics
         tokens = hidden.shape[0]
@@ -83,16 +84,9 @@ class DecoderLayer:
             k = rms_norm(k, self.k_norm, spec.rms_norm_eps)
         q = rotary.apply(q, positions)
         k = rotary.apply(k, positions)
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        write_kv(kv_cache[0], kv_cache[1], k, v, meta)
         attended = paged_attention(
-            q,
-            kv_cache[0],
-            kv_cache[1],
-            meta,
-            scale=spec.head_dim**-0.5,
-            kv_tile=numerics.kv_tile,
-            tile_rows=numerics.tile_rows,
-            batch_invariant=numerics.batch_invariant,
+            q, kv_cache[0], kv_cache[1], meta, scale=spec.head_dim**-0.5, kernels=kernels
         )  # [T, H, D]
         hidden = hidden + self.o_proj(attended.reshape(tokens, q_size))
         normed = rms_norm(hidden, self.post_attention_norm, spec.rms_norm_eps)
@@ -119,6 +113,8 @@ class DecoderModel:
             head.float(), None, tile_rows=numerics.tile_rows, batch_invariant=numerics.batch_invariant
         )
         self.rotary = RotaryTable(spec.head_dim, spec.rope_theta, max_positions, spec.rope_scaling)
+        # The compiled attention kernel in invariant mode (raises NativeBuildError without a compiler).
+        self.kernels = native_kernels() if numerics.batch_invariant else None
 
     def forward(
         self,
@@ -131,7 +127,7 @@ class DecoderModel:
         """-> final-normed hidden states [T, hidden] in the model dtype."""
         hidden = self.embed[input_ids]  # [T, hidden]
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, positions, meta, kv_caches[index], self.rotary)
+            hidden = layer(hidden, positions, meta, kv_caches[index], self.rotary, self.kernels)
             if layer_hook is not None:
                 layer_hook(index, hidden)
         hidden = rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps)

@@ -1,11 +1,12 @@
 """Batch-invariant CPU ops: a row's result depends only on that row's data and on constants.
 
 Ops that differ from plain torch take `batch_invariant`; False switches to the plain torch op
-(benchmarks, negative controls). `attention_plan` tiles attention once per step; `selfcheck` probes the
-ops at a model's real shapes on this hardware.
+(benchmarks, negative controls). Attention runs in a compiled C kernel (`native`, source in `csrc/`);
+`selfcheck` probes the ops at a model's real shapes on this hardware.
 """
 
 # Bumped whenever a change to these ops can change output bits (formulation, summation order), so the
 # engine fingerprint changes with it: two builds with the same package version but different kernels
 # must not claim the same fingerprint. 2 = all-tiles attention with an exact row max, exp-based silu.
-OPS_REVISION = 2
+# 3 = row-at-a-time compiled attention kernel (ops/csrc/attention.c), K cache transposed per block.
+OPS_REVISION = 3

@@ -46,10 +46,14 @@ class RotaryTable:
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D] (any float dtype), positions: [T] int64 -> [T, heads, D] in x's dtype.
 
-        Computed in fp32 then cast back, matching HF's fp32 rotary tables applied to fp32 inputs.
+        As HF Llama: the fp32 tables are cast to x's dtype and the rotation is computed in that dtype.
         """
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D]
         half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, heads, D]
-        return x * cos + rotated * sin
+        first, second = x[..., :half], x[..., half:]
+        out = x * cos  # [T, heads, D]
+        # HF's x * cos + cat(-second, first) * sin, without the cat: a + (-b) * s == a - b * s exactly
+        out[..., :half] -= second * sin[..., :half]
+        out[..., half:] += first * sin[..., half:]
+        return out

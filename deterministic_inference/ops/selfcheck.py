@@ -27,18 +27,14 @@ from deterministic_inference.errors import SelfCheckError
 from deterministic_inference.model.llama import Numerics
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.activation import silu_mul
-from deterministic_inference.ops.attention import (
-    ROW_BLOCK,
-    AttentionGroup,
-    AttentionMetadata,
-    paged_attention,
-)
+from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache, paged_attention, write_kv
 from deterministic_inference.ops.linear import Linear
+from deterministic_inference.ops.native import native_kernels
 from deterministic_inference.ops.norm import rms_norm
 from deterministic_inference.ops.rope import RotaryTable
 
 PROBE_ROWS = 4  # random rows probed per row op (whether a kernel differs can depend on the data)
-BLOCK_SIZE = 16  # KV-cache block size of the attention probe (slots are gathered, any size works)
+BLOCK_SIZE = 16  # KV-cache block size of the attention probe (the engine's default)
 RowFn = Callable[[torch.Tensor], torch.Tensor]  # [M, K] -> [M, N]
 
 
@@ -60,7 +56,6 @@ class SelfCheckReport:
     dtype: str
     batch_invariant: bool
     tile_rows: int
-    kv_tile: int
     threads: int
     seconds: float
 
@@ -86,7 +81,7 @@ class SelfCheckReport:
         verdict = "all probes bitwise equal" if self.ok else f"{len(self.failures)} probe(s) FAILED"
         lines.append(
             f"{verdict}: dtype {self.dtype}, batch_invariant {self.batch_invariant}, tile_rows "
-            f"{self.tile_rows}, kv_tile {self.kv_tile}, threads {self.threads}, {self.seconds:.1f} s"
+            f"{self.tile_rows}, threads {self.threads}, {self.seconds:.1f} s"
         )
         return "\n".join(lines)
 
@@ -97,7 +92,6 @@ class SelfCheckReport:
             "dtype": self.dtype,
             "batch_invariant": self.batch_invariant,
             "tile_rows": self.tile_rows,
-            "kv_tile": self.kv_tile,
             "threads": self.threads,
             "seconds": round(self.seconds, 3),
             "probes": [vars(r).copy() for r in self.results],
@@ -135,7 +129,6 @@ def run_selfcheck(spec: ModelSpec, numerics: Numerics, threads: int | None) -> S
         dtype=str(numerics.dtype).removeprefix("torch."),
         batch_invariant=numerics.batch_invariant,
         tile_rows=numerics.tile_rows,
-        kv_tile=numerics.kv_tile,
         threads=probe_threads,
         seconds=time.perf_counter() - start,
     )
@@ -267,84 +260,75 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
 
 
-class _AttentionWorld:
-    """Random K/V of a few sequences in scattered cache blocks, and random queries for every position."""
+class AttentionWorld:
+    """Random K/V of a few sequences written to scattered cache blocks, and random queries for every
+    position, in the engine's cache layout (also used by the attention tests)."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, lengths: list[int], generator: torch.Generator):
-        self.lengths = lengths
-        per_seq = [-(-length // BLOCK_SIZE) for length in lengths]
-        num_blocks = sum(per_seq) + 1  # block 0 stays unused (masked key slots point there)
-        shape = (num_blocks * BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
-        self.k_cache = torch.randn(shape, generator=generator).to(dtype)
-        self.v_cache = torch.randn(shape, generator=generator).to(dtype)
-        order = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
-        self.blocks = []
-        for count in per_seq:
-            self.blocks.append(order[:count])
+    def __init__(
+        self,
+        shape: tuple[int, int, int],  # (heads, kv_heads, head_dim)
+        dtype: torch.dtype,
+        lengths: list[int],
+        generator: torch.Generator,
+        block_size: int = BLOCK_SIZE,
+    ) -> None:
+        heads, kv_heads, head_dim = shape
+        self.block_size = block_size
+        per_seq = [-(-length // block_size) for length in lengths]
+        self.k_cache, self.v_cache = new_kv_cache(sum(per_seq) + 1, block_size, kv_heads, head_dim, dtype)
+        order = torch.randperm(sum(per_seq) + 1, generator=generator).tolist()
+        self.tables = []
+        for count, length in zip(per_seq, lengths, strict=True):
+            self.tables.append(order[:count])
             order = order[count:]
+            keys, values = (
+                torch.randn(length, kv_heads, head_dim, generator=generator).to(dtype) for _ in "kv"
+            )
+            meta = AttentionMetadata.build([(0, length, self.tables[-1])], block_size)
+            write_kv(self.k_cache, self.v_cache, keys, values, meta)
         self.queries = [
-            torch.randn(length, spec.num_heads, spec.head_dim, generator=generator).to(dtype)
-            for length in lengths
+            (2 * torch.randn(length, heads, head_dim, generator=generator)).to(dtype) for length in lengths
         ]
-        self.group_size = spec.group_size
 
     def run(
-        self, items: list[tuple[int, int, int]], numerics: Numerics, row_block: int = ROW_BLOCK
+        self, items: list[tuple[int, int, int]], batch_invariant: bool
     ) -> dict[tuple[int, int], torch.Tensor]:
-        """One group of (sequence, start, n) items with equal n -> {(sequence, position): output row}."""
-        n = items[0][2]
-        seq_lens = tuple(start + n for _, start, _ in items)
-        padded_len = -(-max(seq_lens) // numerics.kv_tile) * numerics.kv_tile
-        key = torch.arange(padded_len)
-        slot_rows = []
-        for (seq, _, _), seq_len in zip(items, seq_lens, strict=True):
-            blocks = torch.tensor(self.blocks[seq])
-            slots = (
-                blocks[torch.clamp(key // BLOCK_SIZE, max=len(blocks) - 1)] * BLOCK_SIZE + key % BLOCK_SIZE
-            )
-            slot_rows.append(torch.where(key < seq_len, slots, torch.zeros_like(slots)))
-        group = AttentionGroup.build(
-            torch.arange(len(items) * n).view(len(items), n),
-            torch.tensor([list(range(start, start + n)) for _, start, _ in items]),
-            torch.stack(slot_rows),
-            seq_lens,
-            group_size=self.group_size,
-            tile_rows=numerics.tile_rows,
-            kv_tile=numerics.kv_tile,
-            row_block=row_block,
+        """One step of (sequence, start, n) items -> {(sequence, position): output row [heads, head_dim]}."""
+        meta = AttentionMetadata.build(
+            [(start, n, self.tables[seq]) for seq, start, n in items], self.block_size
         )
-        q = torch.cat([self.queries[seq][start : start + n] for seq, start, _ in items])
-        meta = AttentionMetadata(torch.zeros(q.shape[0], dtype=torch.int64), (group,), q.shape[0])
-        out = paged_attention(
-            q, self.k_cache, self.v_cache, meta, scale=q.shape[-1] ** -0.5,
-            kv_tile=numerics.kv_tile, tile_rows=numerics.tile_rows, batch_invariant=numerics.batch_invariant,
-        )  # fmt: skip
-        return {(seq, start + r): out[i * n + r] for i, (seq, start, _) in enumerate(items) for r in range(n)}
+        q = torch.cat([self.queries[seq][start : start + n] for seq, start, n in items])
+        kernels = native_kernels() if batch_invariant else None
+        out = paged_attention(q, self.k_cache, self.v_cache, meta, scale=q.shape[-1] ** -0.5, kernels=kernels)
+        rows = {}
+        for seq_rows, (seq, start, n) in zip(meta.sequences, items, strict=True):
+            for r in range(n):
+                rows[(seq, start + r)] = out[seq_rows.first_row + r]
+        return rows
 
 
 def _attention_probe(
     spec: ModelSpec, numerics: Numerics, threads: int, generator: torch.Generator
 ) -> ProbeResult:
-    """Sequence 0's rows: one prefill (one thread) vs chunks, decode alone, decode and prefill in groups."""
-    tile = numerics.kv_tile
-    length = 2 * tile + 7  # spans three key tiles
-    world = _AttentionWorld(spec, numerics.dtype, [length, 3 * tile + 1, 5], generator)
+    """Sequence 0's rows: one prefill (one thread) vs chunks, decode alone, decode and prefill beside
+    other sequences."""
+    length = 2 * 64 + 7
+    shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    world = AttentionWorld(shape, numerics.dtype, [length, 3 * 64 + 1, 5], generator)
     with torch_threads(1):
-        reference = world.run([(0, 0, length)], numerics)
-    positions = sorted({0, 1, tile - 1, tile, tile + 1, 2 * tile, length - 1})
+        reference = world.run([(0, 0, length)], numerics.batch_invariant)
+    positions = sorted({0, 1, 15, 16, 17, 63, 64, 65, 128, length - 1})
     plans: dict[str, list[list[tuple[int, int, int]]]] = {
         f"chunks of {size}": [[(0, s, min(size, length - s))] for s in range(0, length, size)]
         for size in (7, 16)
     }
     plans["decode alone"] = [[(0, p, 1)] for p in positions]
-    plans["decode in a group"] = [[(1, 3 * tile, 1), (0, p, 1), (2, 4, 1)] for p in positions]
-    plans["prefill beside another sequence"] = [[(1, 3 * tile + 1 - length, length), (0, 0, length)]]
-    plans["prefill in small row blocks"] = [[(0, 0, length)]]
+    plans["decode beside others"] = [[(1, 3 * 64, 1), (0, p, 1), (2, 4, 1)] for p in positions]
+    plans["prefill beside another sequence"] = [[(1, 3 * 64 + 1 - length, length), (0, 0, length), (2, 0, 5)]]
     compared = 0
     for name, plan in plans.items():
-        row_block = 2 * numerics.tile_rows if name.endswith("row blocks") else ROW_BLOCK
         for items in plan:
-            for (seq, position), row in world.run(items, numerics, row_block).items():
+            for (seq, position), row in world.run(items, numerics.batch_invariant).items():
                 if seq != 0:
                     continue
                 compared += 1
@@ -358,7 +342,4 @@ def _attention_probe(
 
 
 def _attention_shape(spec: ModelSpec, numerics: Numerics) -> str:
-    return (
-        f"heads {spec.num_heads}/{spec.num_kv_heads}x{spec.head_dim} {_dtype_name(numerics.dtype)} "
-        f"B={numerics.kv_tile} T={numerics.tile_rows}"
-    )
+    return f"heads {spec.num_heads}/{spec.num_kv_heads}x{spec.head_dim} {_dtype_name(numerics.dtype)}"

@@ -34,11 +34,17 @@ def sampling_params_for(request: dict[str, Any], logprobs: int | None) -> Any:
 
     sampling = request["sampling"]
     return SamplingParams(
-        n=sampling["n"], max_tokens=sampling["max_tokens"], temperature=float(sampling["temperature"]),
-        top_p=float(sampling["top_p"]), top_k=sampling["top_k"], min_p=float(sampling["min_p"]),
-        seed=sampling["seed"], repetition_penalty=float(sampling["repetition_penalty"]),
+        n=sampling["n"],
+        max_tokens=sampling["max_tokens"],
+        temperature=float(sampling["temperature"]),
+        top_p=float(sampling["top_p"]),
+        top_k=sampling["top_k"],
+        min_p=float(sampling["min_p"]),
+        seed=sampling["seed"],
+        repetition_penalty=float(sampling["repetition_penalty"]),
         presence_penalty=float(sampling["presence_penalty"]),
-        frequency_penalty=float(sampling["frequency_penalty"]), ignore_eos=sampling["ignore_eos"],
+        frequency_penalty=float(sampling["frequency_penalty"]),
+        ignore_eos=sampling["ignore_eos"],
         stop=tuple(request["stop"].get("sequences", [])),
         stop_token_ids=tuple(request["stop"].get("token_ids", [])),
         logprobs=logprobs,
@@ -52,18 +58,27 @@ def engine_config_for(manifest: dict[str, Any], location: ModelLocation) -> Any:
     engine, batching = manifest["engine"], manifest["inference"]["batching"]
     return EngineConfig(
         model=str(location.engine_path) if location.engine_path is not None else None,
-        dtype=engine["dtype"], batch_invariant=engine["batch_invariant"],
-        linear_tile_rows=engine["linear_tile_rows"], attention_kv_tile=engine["attention_kv_tile"],
-        kv_block_size=engine["kv_block_size"], num_kv_blocks=engine["num_kv_blocks"],
-        max_model_len=engine["max_model_len"], max_num_seqs=batching["max_num_seqs"],
+        dtype=engine["dtype"],
+        batch_invariant=engine["batch_invariant"],
+        linear_tile_rows=engine["linear_tile_rows"],
+        kv_block_size=engine["kv_block_size"],
+        num_kv_blocks=engine["num_kv_blocks"],
+        max_model_len=engine["max_model_len"],
+        max_num_seqs=batching["max_num_seqs"],
         max_num_batched_tokens=batching["max_num_batched_tokens"],
-        enable_prefix_caching=batching["enable_prefix_caching"], threads=manifest["runtime"]["threads"],
-        seed=engine["seed"], selfcheck=engine["selfcheck"],
+        enable_prefix_caching=batching["enable_prefix_caching"],
+        threads=manifest["runtime"]["threads"],
+        seed=engine["seed"],
+        selfcheck=engine["selfcheck"],
     )
 
 
-def run_embedded(manifest: dict[str, Any], location: ModelLocation, requests: list[dict[str, Any]],
-                 locked_files: list[Path]) -> BackendResult:
+def run_embedded(
+    manifest: dict[str, Any],
+    location: ModelLocation,
+    requests: list[dict[str, Any]],
+    locked_files: list[Path],
+) -> BackendResult:
     """Load the engine, check it read only locked files, run every request, collect captures."""
     from deterministic_inference.engine.engine import Engine
 
@@ -80,8 +95,11 @@ def run_embedded(manifest: dict[str, Any], location: ModelLocation, requests: li
     finals: dict[str, Any] = {}
     for group in groups:
         for request in group:
-            engine.add_request(_prompt_for(engine, request), sampling_params_for(request, top_k),
-                               request_id=request["request_id"])
+            engine.add_request(
+                _prompt_for(engine, request),
+                sampling_params_for(request, top_k),
+                request_id=request["request_id"],
+            )
         while engine.has_unfinished:
             for output in engine.step(recorder):
                 finals[output.request_id] = output
@@ -90,7 +108,9 @@ def run_embedded(manifest: dict[str, Any], location: ModelLocation, requests: li
     finished = time.perf_counter()
     sequences = [entry for r in requests for entry in sequences_of(r, finals[r["request_id"]])]
     return BackendResult(
-        backend="embedded", sequences=sequences, fingerprint=engine.fingerprint,
+        backend="embedded",
+        sequences=sequences,
+        fingerprint=engine.fingerprint,
         system_fingerprint=engine.system_fingerprint,
         batch_trace=[{"submitted_together": [r["request_id"] for r in group]} for group in groups],
         timings={"load_seconds": loaded - started, "generate_seconds": finished - loaded},
@@ -128,15 +148,18 @@ def sequences_of(request: dict[str, Any], output: Any) -> list[dict[str, Any]]:
     """tokens.json / logits.json entries of every choice of one request output."""
     entries = []
     for choice in output.outputs:
-        entries.append({
-            "request_id": request["request_id"],
-            "index": choice.index,
-            "prompt_token_ids": list(output.prompt_token_ids),
-            "output_token_ids": list(choice.token_ids),
-            "text": choice.text,
-            "finish_reason": choice.finish_reason,
-            "token_logprobs": [float(value) for value in choice.logprobs],
-            "top_logprobs": [[[int(token), float(value)] for token, value in step]
-                             for step in choice.top_logprobs],
-        })
+        entries.append(
+            {
+                "request_id": request["request_id"],
+                "index": choice.index,
+                "prompt_token_ids": list(output.prompt_token_ids),
+                "output_token_ids": list(choice.token_ids),
+                "text": choice.text,
+                "finish_reason": choice.finish_reason,
+                "token_logprobs": [float(value) for value in choice.logprobs],
+                "top_logprobs": [
+                    [[int(token), float(value)] for token, value in step] for step in choice.top_logprobs
+                ],
+            }
+        )
     return entries

@@ -45,22 +45,42 @@ def defaults() -> dict[str, Any]:
     """The values a manifest gets for every field it leaves out (a fresh copy)."""
     return {
         "model": {"files": []},
-        "engine": {"dtype": "auto", "batch_invariant": True,
-                   "linear_tile_rows": EngineConfig.linear_tile_rows,
-                   "attention_kv_tile": EngineConfig.attention_kv_tile,
-                   "kv_block_size": 16, "seed": 0, "max_model_len": None, "num_kv_blocks": None,
-                   "selfcheck": True},
+        "engine": {
+            "dtype": "auto",
+            "batch_invariant": True,
+            "linear_tile_rows": EngineConfig.linear_tile_rows,
+            "kv_block_size": 16,
+            "seed": 0,
+            "max_model_len": None,
+            "num_kv_blocks": None,
+            "selfcheck": True,
+        },
         "inference": {
             "dataset": {"source": REFERENCE_DATASET},
             "request_template": {
                 "kind": "completion",
-                "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": 32,
-                             "seed": None, "n": 1, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-                             "frequency_penalty": 0.0, "ignore_eos": False},
+                "sampling": {
+                    "temperature": 0.0,
+                    "top_p": 1.0,
+                    "top_k": 0,
+                    "min_p": 0.0,
+                    "max_tokens": 32,
+                    "seed": None,
+                    "n": 1,
+                    "repetition_penalty": 1.0,
+                    "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0,
+                    "ignore_eos": False,
+                },
                 "stop": {"sequences": [], "token_ids": []},
             },
-            "batching": {"policy": "fixed", "max_num_seqs": 64, "max_num_batched_tokens": 512,
-                         "enable_prefix_caching": True, "concurrency": 1},
+            "batching": {
+                "policy": "fixed",
+                "max_num_seqs": 64,
+                "max_num_batched_tokens": 512,
+                "enable_prefix_caching": True,
+                "concurrency": 1,
+            },
         },
         "capture": {
             "tokens": True,
@@ -68,18 +88,23 @@ def defaults() -> dict[str, Any]:
             "activations": {"enabled": False, "full_tensors": False},
             "engine_trace": {"enabled": True},
         },
-        "determinism": {"compare": {
-            "tokens": {"rule": "exact"},
-            "logits": {"rule": "exact", "max_ulp": 0},
-            "activations": {"rule": "exact"},
-            "engine_trace": {"rule": "exact"},
-        }},
+        "determinism": {
+            "compare": {
+                "tokens": {"rule": "exact"},
+                "logits": {"rule": "exact", "max_ulp": 0},
+                "activations": {"rule": "exact"},
+                "engine_trace": {"rule": "exact"},
+            }
+        },
         "hardware": {
             "constraints": {"arch": [], "vendor": [], "require_isa": []},
             "record": {"cpu_flags": True},
         },
         "runtime": {
-            "env": {}, "threads": None, "network_policy": "offline_required", "closure_policy": "record",
+            "env": {},
+            "threads": None,
+            "network_policy": "offline_required",
+            "closure_policy": "record",
             "execution": {"backend": "embedded", "base_url": None, "model": None, "timeout_seconds": 600},
         },
         "outputs": {
@@ -132,10 +157,19 @@ def load_manifest(path: str | Path) -> Manifest:
     warnings: list[str] = []
     if kind == migrate.SEED_MANIFEST_KIND:
         raw, warnings = migrate.from_seed_manifest(raw)
+    engine = raw.get("engine")
+    if isinstance(engine, dict) and "attention_kv_tile" in engine:
+        engine = {key: value for key, value in engine.items() if key != "attention_kv_tile"}
+        raw = {**raw, "engine": engine}
+        warnings.append(
+            "$.engine.attention_kv_tile is ignored since ops revision 3 (attention is computed row by row, "
+            "with no key tile); remove it"
+        )
     data = apply_defaults(raw)
     validate_manifest(data, str(leaf))
-    return Manifest(data=data, path=leaf.resolve(), chain=tuple(chain), origin_kind=str(kind),
-                    warnings=tuple(warnings))
+    return Manifest(
+        data=data, path=leaf.resolve(), chain=tuple(chain), origin_kind=str(kind), warnings=tuple(warnings)
+    )
 
 
 def read_document(path: Path) -> dict[str, Any]:
@@ -253,8 +287,11 @@ def _check_cross_fields(data: dict[str, Any], where: str) -> None:
 
 def unset_digests(data: dict[str, Any]) -> list[str]:
     """JSON paths of every ``sha256:unset`` digest in a resolved manifest."""
-    paths = [f"$.model.files[{index}].digest" for index, entry in enumerate(data["model"]["files"])
-             if entry["digest"] == UNSET_DIGEST]
+    paths = [
+        f"$.model.files[{index}].digest"
+        for index, entry in enumerate(data["model"]["files"])
+        if entry["digest"] == UNSET_DIGEST
+    ]
     if data["inference"]["dataset"]["digest"] == UNSET_DIGEST:
         paths.append("$.inference.dataset.digest")
     return paths

@@ -50,28 +50,48 @@ def init_manifest(model: Path | None, n_prompts: int, max_tokens: int) -> dict[s
     return {
         "schema_version": 1,
         "kind": MANIFEST_KIND,
-        "metadata": {"name": _safe_name(f"{name}-greedy"),
-                     "description": f"Greedy decoding of {n_prompts} reference prompts on {name}."},
+        "metadata": {
+            "name": _safe_name(f"{name}-greedy"),
+            "description": f"Greedy decoding of {n_prompts} reference prompts on {name}.",
+        },
         "model": {"source": source, "files": files},
-        "engine": {"dtype": "auto", "batch_invariant": True,
-                   "linear_tile_rows": EngineConfig.linear_tile_rows,
-                   "attention_kv_tile": EngineConfig.attention_kv_tile,
-                   "kv_block_size": 16, "seed": 0, "selfcheck": True},
+        "engine": {
+            "dtype": "auto",
+            "batch_invariant": True,
+            "linear_tile_rows": EngineConfig.linear_tile_rows,
+            "kv_block_size": 16,
+            "seed": 0,
+            "selfcheck": True,
+        },
         "inference": {
             "dataset": {"source": REFERENCE_DATASET, "digest": REFERENCE_DATASET_DIGEST},
             "n_prompts": n_prompts,
-            "request_template": {"kind": "chat" if model is None else "completion",
-                                 "sampling": {"temperature": 0.0, "max_tokens": max_tokens, "seed": 0},
-                                 "stop": {"sequences": [], "token_ids": []}},
+            "request_template": {
+                "kind": "chat" if model is None else "completion",
+                "sampling": {"temperature": 0.0, "max_tokens": max_tokens, "seed": 0},
+                "stop": {"sequences": [], "token_ids": []},
+            },
             "batching": {"policy": "fixed", "max_num_seqs": 64, "max_num_batched_tokens": 512},
         },
-        "capture": {"tokens": True, "logits": {"enabled": True, "top_k": 5},
-                    "activations": {"enabled": True, "full_tensors": False},
-                    "engine_trace": {"enabled": True}},
-        "determinism": {"compare": {"tokens": {"rule": "exact"}, "logits": {"rule": "exact"},
-                                    "activations": {"rule": "exact"}, "engine_trace": {"rule": "exact"}}},
-        "runtime": {"network_policy": "offline_required", "threads": None,
-                    "execution": {"backend": "embedded"}},
+        "capture": {
+            "tokens": True,
+            "logits": {"enabled": True, "top_k": 5},
+            "activations": {"enabled": True, "full_tensors": False},
+            "engine_trace": {"enabled": True},
+        },
+        "determinism": {
+            "compare": {
+                "tokens": {"rule": "exact"},
+                "logits": {"rule": "exact"},
+                "activations": {"rule": "exact"},
+                "engine_trace": {"rule": "exact"},
+            }
+        },
+        "runtime": {
+            "network_policy": "offline_required",
+            "threads": None,
+            "execution": {"backend": "embedded"},
+        },
         "outputs": {"directory": "runs/${manifest_name}/${run_id}"},
     }
 
@@ -99,9 +119,11 @@ def digest_bootstrap(path: Path) -> list[str]:
     dataset entry) is written into the leaf as an override, so the base stays untouched."""
     manifest = load_manifest(path)
     if manifest.origin_kind == SEED_MANIFEST_KIND:
-        raise WorkflowError(f"{path}: a seed-tool manifest pins files on its endpoint; there is "
-                            "nothing to hash "
-                            "locally (run `detinf lock` directly)")
+        raise WorkflowError(
+            f"{path}: a seed-tool manifest pins files on its endpoint; there is "
+            "nothing to hash "
+            "locally (run `detinf lock` directly)"
+        )
     data = manifest.data
     changed: list[str] = []
     files = [dict(entry) for entry in data["model"]["files"]]
@@ -130,10 +152,15 @@ def build_closure(manifest: Manifest, lock_path: Path | None, update_lock: bool)
     current = closure.runtime_closure(manifest.data)
     hardware = fingerprint.hardware_fingerprint()
     document: dict[str, Any] = {
-        "schema_version": 1, "kind": "detinf.closure", "manifest_id": manifest.manifest_id,
-        "runtime_closure": current, "runtime_closure_digest": closure.closure_digest(current),
-        "software_digest": current["software_digest"], "hardware": hardware,
-        "hardware_digest": fingerprint.digest(hardware), "lock": None,
+        "schema_version": 1,
+        "kind": "detinf.closure",
+        "manifest_id": manifest.manifest_id,
+        "runtime_closure": current,
+        "runtime_closure_digest": closure.closure_digest(current),
+        "software_digest": current["software_digest"],
+        "hardware": hardware,
+        "hardware_digest": fingerprint.digest(hardware),
+        "lock": None,
     }
     path = lock_path or manifest.default_lock_path()
     if path.exists() or update_lock:

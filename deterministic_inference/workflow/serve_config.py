@@ -17,7 +17,7 @@ from deterministic_inference.errors import WorkflowError
 from deterministic_inference.workflow.manifest import load_manifest
 from deterministic_inference.workflow.run import RunOptions, prepare
 
-_FIXED_NUMERICS = ("linear_tile_rows", "attention_kv_tile", "kv_block_size")
+_FIXED_NUMERICS = ("linear_tile_rows", "kv_block_size")
 
 
 def apply_manifest(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
@@ -29,16 +29,20 @@ def apply_manifest(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
         print(f"warning: {warning}", file=sys.stderr)
     data = manifest.data
     if data["model"]["source"]["type"] == "remote":
-        raise WorkflowError(f"{manifest.path}: $.model.source: a remote model cannot be served here; "
-                            "point model.source at a local model")
+        raise WorkflowError(
+            f"{manifest.path}: $.model.source: a remote model cannot be served here; "
+            "point model.source at a local model"
+        )
     prepared = prepare(manifest, RunOptions(lock_path=args.lock), sys.stderr)
     engine, batching = data["engine"], data["inference"]["batching"]
     defaults = EngineConfig()
     for name in _FIXED_NUMERICS:
         if engine[name] != getattr(defaults, name):
-            raise WorkflowError(f"{manifest.path}: $.engine.{name}: {engine[name]} differs from the engine "
-                                f"default {getattr(defaults, name)}, which `detinf serve` cannot change; "
-                                "use the default or run the manifest with `detinf run`")
+            raise WorkflowError(
+                f"{manifest.path}: $.engine.{name}: {engine[name]} differs from the engine "
+                f"default {getattr(defaults, name)}, which `detinf serve` cannot change; "
+                "use the default or run the manifest with `detinf run`"
+            )
     path = prepared.location.engine_path
     settings: dict[str, Any] = {
         "model": str(path) if path is not None else None,

@@ -30,7 +30,7 @@ def test_logits_match_transformers(
 ) -> None:
     tiny: TinyModel = request.getfixturevalue(fixture)
     loaded = load_model(str(tiny.path))
-    model = DecoderModel(loaded.spec, loaded.weights, Numerics(torch.float32, batch_invariant, 8, 32), 512)
+    model = DecoderModel(loaded.spec, loaded.weights, Numerics(torch.float32, batch_invariant, 8), 512)
     generator = torch.Generator().manual_seed(1)
     token_ids = torch.randint(0, loaded.spec.vocab_size, (70,), generator=generator).tolist()
     ours = prefill_logits(model, token_ids)

@@ -100,6 +100,19 @@ def test_rotary_is_row_invariant(heads: int, head_dim: int, dtype: torch.dtype, 
     assert row_mismatches(rope, _rows(heads * head_dim, dtype), threads) == []
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rotary_equals_hf_rotate_half_bitwise(dtype: torch.dtype) -> None:
+    """The cat-free rotation gives HF's x * cos + rotate_half(x) * sin bit for bit."""
+    table = RotaryTable(HEAD_DIM, 10000.0, 2048, None)
+    x = torch.randn(33, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(4)).to(dtype)
+    positions = torch.randint(0, 2048, (33,), generator=torch.Generator().manual_seed(5))
+    cos = table.cos[positions].unsqueeze(1).to(dtype)
+    sin = table.sin[positions].unsqueeze(1).to(dtype)
+    half = HEAD_DIM // 2
+    expected = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    assert torch.equal(bits(table.apply(x, positions)), bits(expected))
+
+
 def test_exp_scalar_and_vector_kernels_agree() -> None:
     """silu_mul and attention rely on torch.exp giving the same bits in its scalar (strided input)
     and vectorised (contiguous input) kernels; F.silu and sigmoid do not (measured)."""

@@ -31,7 +31,7 @@ OPS = {"linear", "rms_norm", "silu_mul", "rotary", "exp", "attention"}
 
 def test_smollm2_shapes_pass_in_a_few_seconds() -> None:
     start = time.perf_counter()
-    report = run_selfcheck(SMOLLM2, Numerics(torch.bfloat16, True, 4, 64), threads=2)
+    report = run_selfcheck(SMOLLM2, Numerics(torch.bfloat16, True, 4), threads=2)
     assert report.ok, report.table()
     assert time.perf_counter() - start < 30  # ~2 s on an idle 2-core machine
     assert {r.op for r in report.results} == OPS
@@ -41,7 +41,7 @@ def test_smollm2_shapes_pass_in_a_few_seconds() -> None:
 
 def test_tiny_qwen3_fp32_passes_and_renders() -> None:
     previous = torch.get_num_threads()
-    report = run_selfcheck(TINY_QWEN3, Numerics(torch.float32, True, 8, 32), threads=1)
+    report = run_selfcheck(TINY_QWEN3, Numerics(torch.float32, True, 8), threads=1)
     assert torch.get_num_threads() == previous  # restored
     assert report.ok, report.table()
     table = report.table()
@@ -52,7 +52,7 @@ def test_tiny_qwen3_fp32_passes_and_renders() -> None:
 
 
 def test_negative_control_plain_path_fails_naming_op_and_shape() -> None:
-    report = run_selfcheck(SMOLLM2, Numerics(torch.float32, False, 4, 64), threads=1)
+    report = run_selfcheck(SMOLLM2, Numerics(torch.float32, False, 4), threads=1)
     assert not report.ok
     failed = {r.op for r in report.failures}
     assert {"linear", "attention"} <= failed, report.table()

@@ -39,7 +39,7 @@ BAD_MANIFESTS = [
      "$.model.files[0].digest"),
     ("bad source", {"model": {"source": {"type": "path"}}}, "$.model.source: {'type': 'path'} matches none"),
     ("missing name", {"metadata": {}}, "$.metadata.name: required field is missing"),
-    ("tile not multiple of 16", {"engine": {"attention_kv_tile": 40}}, "$.engine.attention_kv_tile"),
+    ("tile rows zero", {"engine": {"linear_tile_rows": 0}}, "$.engine.linear_tile_rows"),
 ]
 
 
@@ -54,6 +54,14 @@ def test_bad_manifest_is_one_clear_line(
     assert len(lines) == 1, result.err
     assert str(path) in lines[0] and expected in lines[0] and "fix:" in lines[0], lines[0]
     assert result.out == ""
+
+
+def test_old_attention_kv_tile_is_ignored_with_a_warning(tmp_path: Path) -> None:
+    """Manifests from before ops revision 3 name a key tile; they still load, with one warning line."""
+    path = write_json(tmp_path / "old.json", minimal(engine={"attention_kv_tile": 64}))
+    manifest = load_manifest(path)
+    assert "attention_kv_tile" not in manifest.data["engine"]
+    assert [w for w in manifest.warnings if "$.engine.attention_kv_tile is ignored" in w]
 
 
 def test_inheritance_cycle_is_one_line(tmp_path: Path) -> None:

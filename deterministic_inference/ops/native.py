@@ -1,0 +1,174 @@
+"""The compiled attention kernel (ops/csrc/attention.c): built with the system C compiler on first use.
+
+The shared library is cached under `$DETINF_CACHE_DIR` (default `~/.cache/deterministic-inference`)
+in a file named by the sha256 of the source, the flags and the compiler's version, so a change to any
+of them builds a new library and never reuses a stale one. Builds go to a temporary name and are
+renamed into place, so processes building at the same time cannot load a half-written file.
+
+Why the build cannot change bits: the flags forbid reassociation (no -ffast-math) and fused
+multiply-add (-ffp-contract=off), so every float operation in the source is one IEEE-rounded
+operation whether the compiler vectorises it or not; the ISA flags change speed only. The kernel's
+identity (`NativeKernels.digest`) still goes into the engine fingerprint.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deterministic_inference.errors import DetinfError
+
+SOURCE = Path(__file__).parent / "csrc" / "attention.c"
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-fno-fast-math", "-ffp-contract=off")
+ISA_FLAGS = ("-march=native",)
+
+
+class NativeBuildError(DetinfError):
+    """The C compiler is missing or failed; the message says which and how to fix it."""
+
+
+@dataclass(frozen=True)
+class NativeKernels:
+    """A loaded build of the attention kernel."""
+
+    library: ctypes.CDLL
+    path: Path
+    digest: str  # sha256 of source + flags + compiler version (first 16 hex digits)
+
+    def attention(
+        self,
+        q: torch.Tensor,  # [T, H, D] fp32 contiguous
+        k_cache: torch.Tensor,  # [num_blocks, KVH, D, block] fp32 or bf16 contiguous (keys transposed)
+        v_cache: torch.Tensor,  # [num_blocks, KVH, block, D] same dtype
+        block_ids: torch.Tensor,  # [K] int64: block tables of the sequences, one after another
+        row_table: torch.Tensor,  # [T] int64: where token t's block table starts in `block_ids`
+        row_keys: torch.Tensor,  # [T] int64: how many keys token t sees (its position + 1)
+        scale: float,
+        out: torch.Tensor,  # [T, H, D] fp32, rows [first, end) written
+        rows: tuple[int, int] | None = None,  # compute only token rows [first, end); default all
+    ) -> None:
+        """Causal attention of each row over its own keys. Invariant by construction (see the C file)."""
+        _check_inputs(q, k_cache, v_cache, out, (block_ids, row_table, row_keys))
+        first, end = rows if rows is not None else (0, q.shape[0])
+        if (
+            not 0 <= first <= end <= q.shape[0]
+            or row_table.shape[0] != q.shape[0]
+            or row_keys.shape[0] != q.shape[0]
+        ):
+            raise ValueError("attention kernel: row range or per-row tensors do not match q")
+        status = self.library.detinf_attention(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+            block_ids.data_ptr(), row_table.data_ptr(), row_keys.data_ptr(),
+            first, end, q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[3], scale, out.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("attention kernel could not allocate its workspace")
+
+    def exp(self, x: float) -> float:
+        """The kernel's exp for x in [-87, 0] (tests compare it with a float64 reference)."""
+        return float(self.library.detinf_exp_nonpositive(x))
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    index_tensors: tuple[torch.Tensor, ...],
+) -> None:
+    """The C code trusts its pointers: refuse anything it would misread."""
+    if q.dtype != torch.float32 or out.dtype != torch.float32 or q.shape != out.shape:
+        raise ValueError("attention kernel: q and out must be fp32 tensors of the same shape")
+    if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
+        raise ValueError("attention kernel: caches must both be fp32 or both bf16")
+    num_blocks, kv_heads, head_dim, block = k_cache.shape
+    if (
+        v_cache.shape != (num_blocks, kv_heads, block, head_dim)
+        or head_dim != q.shape[2]
+        or q.shape[1] % kv_heads
+    ):
+        raise ValueError("attention kernel: cache shapes do not match q")
+    for tensor in (q, k_cache, v_cache, out, *index_tensors):
+        if not tensor.is_contiguous():
+            raise ValueError("attention kernel: every tensor must be contiguous")
+    for tensor in index_tensors:
+        if tensor.dtype != torch.int64:
+            raise ValueError("attention kernel: index tensors must be int64")
+
+
+def source_digest() -> str:
+    """sha256 of the kernel's C source (first 16 hex digits): the bits depend on the source alone."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: $DETINF_CACHE_DIR, else ~/.cache/deterministic-inference."""
+    configured = os.environ.get("DETINF_CACHE_DIR")
+    base = Path(configured) if configured else Path.home() / ".cache" / "deterministic-inference"
+    return base / "native"
+
+
+def compiler() -> str:
+    """The C compiler: $CC, else cc, else gcc. Raises NativeBuildError when none is on PATH."""
+    for candidate in (os.environ.get("CC"), "cc", "gcc"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    raise NativeBuildError(
+        "no C compiler found for the batch-invariant attention kernel: install gcc (Debian: apt install "
+        "gcc) or set CC, or run with --no-batch-invariant"
+    )
+
+
+def build(isa_flags: tuple[str, ...] = ISA_FLAGS, directory: Path | None = None) -> Path:
+    """Compile the kernel (or find the cached build) and return the library's path."""
+    cc = compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    flags = (*BASE_FLAGS, *isa_flags)
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + "\0".join((*flags, version)).encode()).hexdigest()[:16]
+    target_dir = directory or cache_dir()
+    target = target_dir / f"attention-{digest}.so"
+    if target.exists():
+        return target
+    target_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target_dir) as work:
+        partial = Path(work) / target.name
+        result = subprocess.run(
+            [cc, *flags, str(SOURCE), "-o", str(partial)], capture_output=True, text=True, check=False
+        )
+        if result.returncode != 0:
+            first_line = (result.stderr.strip().splitlines() or ["(no output)"])[0]
+            raise NativeBuildError(f"building the attention kernel with {cc} failed: {first_line}")
+        os.replace(partial, target)
+    return target
+
+
+def load(path: Path) -> NativeKernels:
+    """Load a built library and declare its C signatures."""
+    library = ctypes.CDLL(str(path))
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    library.detinf_attention.restype = ctypes.c_int
+    library.detinf_attention.argtypes = [
+        pointer, pointer, pointer, ctypes.c_int, pointer, pointer, pointer,
+        i64, i64, i64, i64, i64, i64, ctypes.c_float, pointer,
+    ]  # fmt: skip
+    library.detinf_exp_nonpositive.restype = ctypes.c_float
+    library.detinf_exp_nonpositive.argtypes = [ctypes.c_float]
+    return NativeKernels(library, path, path.stem.removeprefix("attention-"))
+
+
+@functools.cache
+def native_kernels() -> NativeKernels:
+    """The kernel for this process, built once (a read-only resource, not mutable state).
+
+    Raises NativeBuildError when it cannot be built."""
+    return load(build())

@@ -26,7 +26,12 @@ from deterministic_inference.engine.request import Request, RequestStatus
 from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.engine.scheduler import Scheduler
 from deterministic_inference.engine.sequence_state import SequenceState
-from deterministic_inference.engine.setup import build_model, choose_num_kv_blocks, resolve_dtype
+from deterministic_inference.engine.setup import (
+    build_model,
+    choose_num_kv_blocks,
+    keep_freed_memory,
+    resolve_dtype,
+)
 from deterministic_inference.errors import InvalidRequestError
 from deterministic_inference.model.loader import LoadedModel, load_model
 from deterministic_inference.ops.selfcheck import SelfCheckReport, run_selfcheck
@@ -41,6 +46,7 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, record_trace: bool = False):
         if config.threads is not None:
             torch.set_num_threads(config.threads)
+        keep_freed_memory()
         self.config = config
         self.loaded = loaded if loaded is not None else load_model(config.model)
         self.tokenizer = self.loaded.tokenizer

@@ -63,36 +63,77 @@ class DecoderLayer:
 
     def __call__(
         self,
-        hidden: torch.Tensor,  # [T, hidden]
+        hidden: torch.Tensor,  # [T, hidden]: the residual stream (updated in place on the native path)
+        pending: torch.Tensor | None,  # [T, hidden]: the previous block's MLP output, not yet added
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         rotary: RotaryTable,
         kernels: NativeKernels | None,
-    ) -> torch.Tensor:
-        spec, numerics = self.spec, self.numerics
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (residual stream, this block's MLP output still to be added). The native kernels fuse that
+        add into the next RMSNorm; the plain path adds it here and returns None."""
+        if kernels is None:
+            if pending is not None:
+                hidden = hidden + pending
+            return self._plain(hidden, positions, meta, kv_cache, rotary), None
+        spec = self.spec
         tokens = hidden.shape[0]
-        normed = rms_norm(hidden, self.input_norm, spec.rms_norm_eps)
-        qkv = self.qkv(normed)  # [T, (H + 2*KVH) * D]
+        normed = kernels.add_rms_norm(hidden, pending, self.input_norm, spec.rms_norm_eps)
+        qkv = self._qk_normed(self.qkv(normed))  # [T, (H + 2*KVH) * D]
+        q = kernels.rotary_write_kv(
+            qkv, positions, rotary.cos, rotary.sin, meta.write_blocks, meta.write_offsets,
+            kv_cache[0], kv_cache[1], spec.num_heads,
+        )  # [T, H, D] fp32  # fmt: skip
+        attended = paged_attention(
+            q, kv_cache[0], kv_cache[1], meta, scale=spec.head_dim**-0.5, kernels=kernels
+        )
+        delta = self.o_proj(attended.to(hidden.dtype).reshape(tokens, spec.num_heads * spec.head_dim))
+        normed = kernels.add_rms_norm(hidden, delta, self.post_attention_norm, spec.rms_norm_eps)
+        return hidden, self.down(kernels.silu_mul(self.gate_up(normed)))
+
+    def _qk_normed(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Qwen3: RMSNorm over each head of q and k (torch ops, fp32 statistics); others unchanged."""
+        if self.q_norm is None or self.k_norm is None:
+            return qkv
+        spec, tokens = self.spec, qkv.shape[0]
+        q, k, v = self._split(qkv)
+        q = rms_norm(q, self.q_norm, spec.rms_norm_eps).reshape(tokens, -1)
+        k = rms_norm(k, self.k_norm, spec.rms_norm_eps).reshape(tokens, -1)
+        return torch.cat((q, k, v.reshape(tokens, -1)), dim=1)
+
+    def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [T, (H + 2*KVH) * D] -> q [T, H, D], k [T, KVH, D], v [T, KVH, D] (views)."""
+        spec, tokens = self.spec, qkv.shape[0]
         q_size = spec.num_heads * spec.head_dim
         kv_size = spec.num_kv_heads * spec.head_dim
         q = qkv[:, :q_size].reshape(tokens, spec.num_heads, spec.head_dim)
         k = qkv[:, q_size : q_size + kv_size].reshape(tokens, spec.num_kv_heads, spec.head_dim)
         v = qkv[:, q_size + kv_size :].reshape(tokens, spec.num_kv_heads, spec.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = rms_norm(q, self.q_norm, spec.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, spec.rms_norm_eps)
+        return q, k, v
+
+    def _plain(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        rotary: RotaryTable,
+    ) -> torch.Tensor:
+        """The block with plain torch ops (batch_invariant=False)."""
+        spec = self.spec
+        tokens = hidden.shape[0]
+        normed = rms_norm(hidden, self.input_norm, spec.rms_norm_eps)
+        q, k, v = self._split(self._qk_normed(self.qkv(normed)))
         q = rotary.apply(q, positions)
         k = rotary.apply(k, positions)
         write_kv(kv_cache[0], kv_cache[1], k, v, meta)
-        attended = paged_attention(
-            q, kv_cache[0], kv_cache[1], meta, scale=spec.head_dim**-0.5, kernels=kernels
-        )  # [T, H, D]
-        hidden = hidden + self.o_proj(attended.reshape(tokens, q_size))
+        attended = paged_attention(q, kv_cache[0], kv_cache[1], meta, scale=spec.head_dim**-0.5, kernels=None)
+        hidden = hidden + self.o_proj(attended.reshape(tokens, spec.num_heads * spec.head_dim))
         normed = rms_norm(hidden, self.post_attention_norm, spec.rms_norm_eps)
         gate_up = self.gate_up(normed)  # [T, 2 * inter]
         inter = spec.intermediate_size
-        activated = silu_mul(gate_up[:, :inter], gate_up[:, inter:], batch_invariant=numerics.batch_invariant)
+        activated = silu_mul(gate_up[:, :inter], gate_up[:, inter:], batch_invariant=False)
         return hidden + self.down(activated)
 
 
@@ -125,12 +166,21 @@ class DecoderModel:
         layer_hook: LayerHook | None = None,
     ) -> torch.Tensor:
         """-> final-normed hidden states [T, hidden] in the model dtype."""
-        hidden = self.embed[input_ids]  # [T, hidden]
+        hidden = self.embed[input_ids]  # [T, hidden] (a fresh tensor: the native path updates it in place)
+        pending: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, positions, meta, kv_caches[index], self.rotary, self.kernels)
+            hidden, pending = layer(
+                hidden, pending, positions, meta, kv_caches[index], self.rotary, self.kernels
+            )
             if layer_hook is not None:
+                if pending is not None:  # materialise the residual (the same rounded add as the kernel's)
+                    hidden, pending = hidden + pending, None
                 layer_hook(index, hidden)
-        hidden = rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps)
+        eps = self.spec.rms_norm_eps
+        if self.kernels is not None:
+            hidden = self.kernels.add_rms_norm(hidden, pending, self.final_norm, eps)
+        else:
+            hidden = rms_norm(hidden, self.final_norm, eps)
         if layer_hook is not None:
             layer_hook(len(self.layers), hidden)
         return hidden

@@ -1,7 +1,8 @@
 """Batch-invariant CPU ops: a row's result depends only on that row's data and on constants.
 
 Ops that differ from plain torch take `batch_invariant`; False switches to the plain torch op
-(benchmarks, negative controls). Attention runs in a compiled C kernel (`native`, source in `csrc/`);
+(benchmarks, negative controls). In invariant mode attention and the row-wise ops run in compiled C
+(`native`, sources in `csrc/`);
 `selfcheck` probes the ops at a model's real shapes on this hardware.
 """
 
@@ -9,4 +10,5 @@ Ops that differ from plain torch take `batch_invariant`; False switches to the p
 # engine fingerprint changes with it: two builds with the same package version but different kernels
 # must not claim the same fingerprint. 2 = all-tiles attention with an exact row max, exp-based silu.
 # 3 = row-at-a-time compiled attention kernel (ops/csrc/attention.c), K cache transposed per block.
-OPS_REVISION = 3
+# 4 = RMSNorm (fused with the residual add), silu_mul and rotary + KV write compiled (ops/csrc/rowwise.c).
+OPS_REVISION = 4

@@ -1,4 +1,5 @@
-"""The compiled attention kernel (ops/csrc/attention.c): built with the system C compiler on first use.
+"""The compiled kernels (ops/csrc/*.c: attention, RMSNorm, silu_mul, rotary + KV write), built with the
+system C compiler on first use.
 
 The shared library is cached under `$DETINF_CACHE_DIR` (default `~/.cache/deterministic-inference`)
 in a file named by the sha256 of the source, the flags and the compiler's version, so a change to any
@@ -27,7 +28,7 @@ import torch
 
 from deterministic_inference.errors import DetinfError
 
-SOURCE = Path(__file__).parent / "csrc" / "attention.c"
+SOURCES = (Path(__file__).parent / "csrc" / "attention.c", Path(__file__).parent / "csrc" / "rowwise.c")
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-fno-fast-math", "-ffp-contract=off")
 ISA_FLAGS = ("-march=native",)
 
@@ -73,6 +74,82 @@ class NativeKernels:
         if status != 0:
             raise MemoryError("attention kernel could not allocate its workspace")
 
+    def add_rms_norm(
+        self,
+        hidden: torch.Tensor,  # [M, W] model dtype, updated in place when delta is given
+        delta: torch.Tensor | None,  # [M, W] model dtype: the residual branch to add first
+        weight: torch.Tensor,  # [W] model dtype
+        eps: float,
+    ) -> torch.Tensor:
+        """(hidden += delta), then RMSNorm of each row -> [M, W] model dtype (HF Llama's formula).
+
+        Why invariant: each row's sum of squares runs in a fixed lane order over that row only."""
+        tensors = (hidden, weight) if delta is None else (hidden, weight, delta)
+        _check_activations(tensors, hidden.dtype)
+        if (
+            hidden.dim() != 2
+            or weight.shape != (hidden.shape[1],)
+            or (delta is not None and delta.shape != hidden.shape)
+        ):
+            raise ValueError("add_rms_norm: hidden [M, W], delta [M, W] and weight [W] expected")
+        out = torch.empty_like(hidden)
+        self.library.detinf_add_rms_norm(
+            hidden.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            hidden.shape[0], hidden.shape[1], eps, int(hidden.dtype == torch.bfloat16),
+        )  # fmt: skip
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [M, 2I] (gate then up) -> silu(gate) * up [M, I], elementwise in fp32, model dtype out."""
+        _check_activations((gate_up,), gate_up.dtype)
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise ValueError("silu_mul: gate_up must be [M, 2 * intermediate]")
+        out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
+        self.library.detinf_silu_mul(
+            gate_up.data_ptr(),
+            out.data_ptr(),
+            out.shape[0],
+            out.shape[1],
+            int(gate_up.dtype == torch.bfloat16),
+        )
+        return out
+
+    def rotary_write_kv(
+        self,
+        qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] model dtype
+        positions: torch.Tensor,  # [T] int64
+        cos: torch.Tensor,  # [P, D] fp32
+        sin: torch.Tensor,  # [P, D] fp32
+        write_blocks: torch.Tensor,  # [T] int64
+        write_offsets: torch.Tensor,  # [T] int64
+        k_cache: torch.Tensor,  # [blocks, KVH, D, block] model dtype
+        v_cache: torch.Tensor,  # [blocks, KVH, block, D] model dtype
+        heads: int,
+    ) -> torch.Tensor:
+        """Rotate q and k by position (rotate-half, HF's rounding), write k and v to their cache slots;
+        -> rotated q [T, H, D] fp32. Elementwise per token: invariant by construction."""
+        num_blocks, kv_heads, dim, block = k_cache.shape
+        _check_activations((qkv, k_cache, v_cache), qkv.dtype)
+        _check_indices((positions, write_blocks, write_offsets))
+        tokens = qkv.shape[0]
+        if qkv.shape[1] != (heads + 2 * kv_heads) * dim or dim > 1024 or dim % 2:
+            raise ValueError("rotary_write_kv: qkv width does not match the heads and the cache")
+        if (
+            cos.dtype != torch.float32
+            or cos.shape != sin.shape
+            or not (cos.is_contiguous() and sin.is_contiguous())
+        ):
+            raise ValueError("rotary_write_kv: cos and sin must be contiguous fp32 tables of one shape")
+        if tokens and (int(positions.max()) >= cos.shape[0] or int(write_blocks.max()) >= num_blocks):
+            raise ValueError("rotary_write_kv: a position or a cache block is out of range")
+        q_out = torch.empty((tokens, heads, dim), dtype=torch.float32)
+        self.library.detinf_rotary_write_kv(
+            qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), write_blocks.data_ptr(),
+            write_offsets.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tokens, heads,
+            kv_heads, dim, block, int(qkv.dtype == torch.bfloat16),
+        )  # fmt: skip
+        return q_out
+
     def exp(self, x: float) -> float:
         """The kernel's exp for x in [-87, 0] (tests compare it with a float64 reference)."""
         return float(self.library.detinf_exp_nonpositive(x))
@@ -106,8 +183,27 @@ def _check_inputs(
 
 
 def source_digest() -> str:
-    """sha256 of the kernel's C source (first 16 hex digits): the bits depend on the source alone."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    """sha256 of the kernels' C sources (first 16 hex digits): the bits depend on the sources alone."""
+    return hashlib.sha256(_source_bytes()).hexdigest()[:16]
+
+
+def _source_bytes() -> bytes:
+    return b"\0".join(path.read_bytes() for path in SOURCES)
+
+
+def _check_activations(tensors: tuple[torch.Tensor, ...], dtype: torch.dtype) -> None:
+    """The C code reads raw memory: contiguous tensors of one model dtype (fp32 or bf16) only."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"native kernels take fp32 or bf16 activations, not {dtype}")
+    for tensor in tensors:
+        if tensor.dtype != dtype or not tensor.is_contiguous():
+            raise ValueError(f"native kernels: every tensor must be contiguous {dtype}")
+
+
+def _check_indices(tensors: tuple[torch.Tensor, ...]) -> None:
+    for tensor in tensors:
+        if tensor.dtype != torch.int64 or not tensor.is_contiguous():
+            raise ValueError("native kernels: index tensors must be contiguous int64")
 
 
 def cache_dir() -> Path:
@@ -133,8 +229,7 @@ def build(isa_flags: tuple[str, ...] = ISA_FLAGS, directory: Path | None = None)
     cc = compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     flags = (*BASE_FLAGS, *isa_flags)
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + "\0".join((*flags, version)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(_source_bytes() + "\0".join((*flags, version)).encode()).hexdigest()[:16]
     target_dir = directory or cache_dir()
     target = target_dir / f"attention-{digest}.so"
     if target.exists():
@@ -143,7 +238,10 @@ def build(isa_flags: tuple[str, ...] = ISA_FLAGS, directory: Path | None = None)
     with tempfile.TemporaryDirectory(dir=target_dir) as work:
         partial = Path(work) / target.name
         result = subprocess.run(
-            [cc, *flags, str(SOURCE), "-o", str(partial)], capture_output=True, text=True, check=False
+            [cc, *flags, *map(str, SOURCES), "-o", str(partial), "-lm"],
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if result.returncode != 0:
             first_line = (result.stderr.strip().splitlines() or ["(no output)"])[0]
@@ -161,6 +259,21 @@ def load(path: Path) -> NativeKernels:
         pointer, pointer, pointer, ctypes.c_int, pointer, pointer, pointer,
         i64, i64, i64, i64, i64, i64, ctypes.c_float, pointer,
     ]  # fmt: skip
+    library.detinf_add_rms_norm.restype = None
+    library.detinf_add_rms_norm.argtypes = [
+        pointer,
+        pointer,
+        pointer,
+        pointer,
+        i64,
+        i64,
+        ctypes.c_float,
+        ctypes.c_int,
+    ]
+    library.detinf_silu_mul.restype = None
+    library.detinf_silu_mul.argtypes = [pointer, pointer, i64, i64, ctypes.c_int]
+    library.detinf_rotary_write_kv.restype = None
+    library.detinf_rotary_write_kv.argtypes = [pointer] * 9 + [i64] * 5 + [ctypes.c_int]
     library.detinf_exp_nonpositive.restype = ctypes.c_float
     library.detinf_exp_nonpositive.argtypes = [ctypes.c_float]
     return NativeKernels(library, path, path.stem.removeprefix("attention-"))

@@ -29,7 +29,7 @@ from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.activation import silu_mul
 from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache, paged_attention, write_kv
 from deterministic_inference.ops.linear import Linear
-from deterministic_inference.ops.native import native_kernels
+from deterministic_inference.ops.native import NativeKernels, native_kernels
 from deterministic_inference.ops.norm import rms_norm
 from deterministic_inference.ops.rope import RotaryTable
 
@@ -213,38 +213,92 @@ def _linear_probes(
 def _elementwise_probes(
     spec: ModelSpec, numerics: Numerics, threads: int, generator: torch.Generator
 ) -> list[ProbeResult]:
-    """RMSNorm (hidden width and, for qk-norm models, head width), silu_mul, rotary."""
+    """RMSNorm with the residual add (and, for qk-norm models, the head-width norm), silu_mul and rotary
+    with the KV write: the compiled kernels in invariant mode, the torch ops otherwise."""
     dtype, name = numerics.dtype, _dtype_name(numerics.dtype)
-    results = []
+    kernels = native_kernels() if numerics.batch_invariant else None
     sizes = batch_sizes(numerics.tile_rows)
-    norm_widths = [spec.hidden_size] + ([spec.head_dim] if spec.qk_norm else [])
-    for width in norm_widths:
-        weight = (1.0 + 0.1 * torch.randn(width, generator=generator)).to(dtype)
-        rows = torch.randn(PROBE_ROWS, width, generator=generator).to(dtype)
-
-        def norm(x: torch.Tensor, w: torch.Tensor = weight) -> torch.Tensor:
-            return rms_norm(x, w, spec.rms_norm_eps)
-
-        results.append(_row_probe("rms_norm", f"[M, {width}] {name}", norm, rows, sizes, threads, generator))
-    inter = spec.intermediate_size
-
-    def mlp_act(gate_up: torch.Tensor) -> torch.Tensor:  # the model's layout: slices of gate_up
-        return silu_mul(gate_up[:, :inter], gate_up[:, inter:], batch_invariant=numerics.batch_invariant)
-
-    rows = (3 * torch.randn(PROBE_ROWS, 2 * inter, generator=generator)).to(dtype)
-    results.append(_row_probe("silu_mul", f"[M, {inter}] {name}", mlp_act, rows, sizes, threads, generator))
-    rotary = RotaryTable(spec.head_dim, spec.rope_theta, 4096, spec.rope_scaling)
-    heads, head_dim = spec.num_heads, spec.head_dim
-
-    def rope(x: torch.Tensor) -> torch.Tensor:  # position = a function of the row's own data
-        positions = (x[:, 0].float().abs() * 1000).long() % 4096
-        return rotary.apply(x.view(-1, heads, head_dim), positions).reshape(x.shape[0], -1)
-
-    rows = torch.randn(PROBE_ROWS, heads * head_dim, generator=generator).to(dtype)
-    results.append(
-        _row_probe("rotary", f"[M, {heads}x{head_dim}] {name}", rope, rows, sizes, threads, generator)
-    )
+    width, inter = spec.hidden_size, spec.intermediate_size
+    weight = (1.0 + 0.1 * torch.randn(width, generator=generator)).to(dtype)
+    probes: dict[str, tuple[RowFn, torch.Tensor]] = {
+        f"rms_norm [M, {width}] {name}": (
+            _norm_fn(kernels, weight, spec.rms_norm_eps),
+            _rows(2 * width, dtype, generator),
+        ),
+        f"silu_mul [M, {inter}] {name}": (_silu_fn(kernels, inter), 3 * _rows(2 * inter, dtype, generator)),
+        f"rotary [M, qkv {spec.num_heads}+2x{spec.num_kv_heads}x{spec.head_dim}] {name}": (
+            _rotary_fn(kernels, spec),
+            _rows((spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim, dtype, generator),
+        ),
+    }
+    if spec.qk_norm:
+        head_weight = (1.0 + 0.1 * torch.randn(spec.head_dim, generator=generator)).to(dtype)
+        probes[f"rms_norm [M, {spec.head_dim}] {name}"] = (
+            lambda x: rms_norm(x, head_weight, spec.rms_norm_eps),
+            _rows(spec.head_dim, dtype, generator),
+        )
+    results = []
+    for label, (fn, rows) in probes.items():
+        op, shape = label.split(" ", 1)
+        results.append(_row_probe(op, shape, fn, rows, sizes, threads, generator))
     return results
+
+
+def _rows(width: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(PROBE_ROWS, width, generator=generator).to(dtype)
+
+
+def _norm_fn(kernels: NativeKernels | None, weight: torch.Tensor, eps: float) -> RowFn:
+    """[M, 2W] rows = (hidden, delta) -> [M, 2W] = (normed, hidden + delta)."""
+    width = weight.shape[0]
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        hidden, delta = x[:, :width].clone(), x[:, width:].contiguous()  # the kernel adds in place
+        if kernels is None:
+            hidden = hidden + delta
+            return torch.cat((rms_norm(hidden, weight, eps), hidden), dim=1)
+        return torch.cat((kernels.add_rms_norm(hidden, delta, weight, eps), hidden), dim=1)
+
+    return norm
+
+
+def _silu_fn(kernels: NativeKernels | None, inter: int) -> RowFn:
+    """[M, 2I] gate_up rows -> [M, I]."""
+    if kernels is None:
+        return lambda x: silu_mul(x[:, :inter], x[:, inter:], batch_invariant=False)
+    return kernels.silu_mul
+
+
+def _rotary_fn(kernels: NativeKernels | None, spec: ModelSpec) -> RowFn:
+    """[M, qkv width] rows -> [M, ...] = (rotated q, rotated k and v as read back from a cache); the
+    position is a function of the row's own data."""
+    heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    rotary = RotaryTable(dim, spec.rope_theta, 4096, spec.rope_scaling)
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
+        positions = (x[:, 0].float().abs() * 1000).long() % 4096
+        k_cache, v_cache = new_kv_cache(tokens, 1, kv_heads, dim, x.dtype)
+        meta = AttentionMetadata.build([(0, 1, [t]) for t in range(tokens)], block_size=1)
+        q, k, v = (
+            x[:, : heads * dim],
+            x[:, heads * dim : (heads + kv_heads) * dim],
+            x[:, (heads + kv_heads) * dim :],
+        )
+        if kernels is None:
+            q = rotary.apply(q.reshape(tokens, heads, dim), positions)
+            k = rotary.apply(k.reshape(tokens, kv_heads, dim), positions)
+            write_kv(k_cache, v_cache, k, v.reshape(tokens, kv_heads, dim), meta)
+        else:
+            q = kernels.rotary_write_kv(
+                x.contiguous(), positions, rotary.cos, rotary.sin, meta.write_blocks, meta.write_offsets,
+                k_cache, v_cache, heads,
+            ).to(x.dtype)  # fmt: skip
+        return torch.cat(
+            (q.reshape(tokens, -1), k_cache.reshape(tokens, -1), v_cache.reshape(tokens, -1)), dim=1
+        )
+
+    return rope
 
 
 def _exp_probe(generator: torch.Generator) -> ProbeResult:

@@ -248,7 +248,7 @@ def test_cc_is_honoured_and_a_missing_cc_falls_back(monkeypatch: pytest.MonkeyPa
 def test_source_that_fails_to_compile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     broken = tmp_path / "broken.c"
     broken.write_text("int detinf_attention(void) { return undeclared_name; }\n")
-    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setattr(native, "SOURCES", (*native.SOURCES, broken))
     out_dir = tmp_path / "builds"
     with pytest.raises(NativeBuildError, match="failed"):
         build(ISA_FLAGS, out_dir)
@@ -356,10 +356,11 @@ def test_library_name_depends_on_flags_and_source(
     assert other != kernels.path and other.exists()
     assert kernels.digest == kernels.path.stem.removeprefix("attention-")
     source_digest = native.source_digest()
-    assert source_digest == hashlib.sha256(native.SOURCE.read_bytes()).hexdigest()[:16]
+    joined = b"\0".join(path.read_bytes() for path in native.SOURCES)
+    assert source_digest == hashlib.sha256(joined).hexdigest()[:16]
     changed = tmp_path / "attention.c"
-    changed.write_bytes(native.SOURCE.read_bytes() + b"\n/* changed */\n")
-    monkeypatch.setattr(native, "SOURCE", changed)
+    changed.write_bytes(native.SOURCES[0].read_bytes() + b"\n/* changed */\n")
+    monkeypatch.setattr(native, "SOURCES", (changed, *native.SOURCES[1:]))
     assert native.source_digest() != source_digest
     assert build(ISA_FLAGS, build_dir).name not in (kernels.path.name, other.name)
 

@@ -1,0 +1,158 @@
+/* Row-wise decoder ops for deterministic-inference: RMSNorm (with the residual add), the gated-MLP
+   activation and the rotary embedding with the KV-cache write.
+
+   Same promise as attention.c: every output element is a fixed sequence of IEEE float operations on
+   its own row (the only reduction, RMSNorm's sum of squares, runs in 16 lane partial sums over the
+   row then a fixed tree), built without reassociation or contraction, so neither the batch, the row's
+   position, the thread nor the ISA flags can change a bit. `model_bf16` selects the model dtype:
+   activations are then bf16 in memory, computed in fp32 and rounded to nearest even after the same
+   operations torch performs in bf16 (each bf16 op computes in fp32 and rounds once). */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* Round to nearest even, NaN -> quiet NaN 0x7FC0: the same rule as torch's BFloat16. */
+static inline uint16_t f32_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Read element i of an activation tensor as fp32 / round a value the way the model dtype stores it. */
+static inline float load_act(const void *base, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline float round_act(float value, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(value)) : value; }
+
+static inline void store_act(void *base, int64_t i, float value, int bf16) {
+    if (bf16) ((uint16_t *)base)[i] = f32_to_bf16(value);
+    else ((float *)base)[i] = value;
+}
+
+/* exp(x) for any float x: clamped to [-87, 88] (where exp stays a normal float), range reduction and
+   a degree-7 polynomial, as exp_nonpositive in attention.c. */
+static inline float exp_clamped(float x) {
+    const float log2e = 1.44269504088896341f, round_magic = 12582912.0f;
+    const float ln2_hi = 0.693145751953125f, ln2_lo = 1.428606765330187045e-06f;
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = (x * log2e + round_magic) - round_magic;
+    float r = (x - n * ln2_hi) - n * ln2_lo;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* hidden[r] (+)= delta[r] (when delta is given), then out[r] = weight * round(hidden[r] * rsqrt(mean(
+   hidden[r]^2) + eps)): HF Llama's RMSNorm on the residual stream. hidden, delta, out, weight in the
+   model dtype; hidden is updated in place. Rows [0, rows) of width `width`. */
+void detinf_add_rms_norm(void *hidden, const void *delta, const void *weight, void *out, int64_t rows,
+                         int64_t width, float eps, int model_bf16) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t base = r * width;
+        float lanes[16] = {0};
+        int64_t i = 0;
+        for (; i + 16 <= width; i += 16) {
+            for (int l = 0; l < 16; l++) {
+                float x = load_act(hidden, base + i + l, model_bf16);
+                if (delta != NULL) {
+                    x = round_act(x + load_act(delta, base + i + l, model_bf16), model_bf16);
+                    store_act(hidden, base + i + l, x, model_bf16);
+                }
+                lanes[l] = lanes[l] + x * x;
+            }
+        }
+        for (int l = 0; i + l < width; l++) {
+            float x = load_act(hidden, base + i + l, model_bf16);
+            if (delta != NULL) {
+                x = round_act(x + load_act(delta, base + i + l, model_bf16), model_bf16);
+                store_act(hidden, base + i + l, x, model_bf16);
+            }
+            lanes[l] = lanes[l] + x * x;
+        }
+        for (int w = 8; w >= 1; w /= 2) {
+            for (int l = 0; l < w; l++) lanes[l] = lanes[l] + lanes[l + w];
+        }
+        const float inv = 1.0f / sqrtf(lanes[0] / (float)width + eps);
+        for (int64_t j = 0; j < width; j++) {
+            const float normed = round_act(load_act(hidden, base + j, model_bf16) * inv, model_bf16);
+            store_act(out, base + j, load_act(weight, j, model_bf16) * normed, model_bf16);
+        }
+    }
+}
+
+/* out[r, j] = round(silu(gate[r, j])) * up[r, j] with gate = gate_up[r, :inter], up = gate_up[r, inter:]
+   and silu(g) = g / (1 + exp(-g)) in fp32, as ops/activation.py did with torch ops. */
+void detinf_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int model_bf16) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t in_base = r * 2 * inter, out_base = r * inter;
+        for (int64_t j = 0; j < inter; j++) {
+            const float gate = load_act(gate_up, in_base + j, model_bf16);
+            const float act = round_act(gate / (exp_clamped(-gate) + 1.0f), model_bf16);
+            store_act(out, out_base + j, act * load_act(gate_up, in_base + inter + j, model_bf16), model_bf16);
+        }
+    }
+}
+
+/* One head's rotation (rotate-half layout): out[d] = round(round(x[d] * c[d]) + round(rot[d] * s[d]))
+   with rot = (-x[half:], x[:half]) and c, s the fp32 tables rounded to the model dtype, as HF computes
+   it in bf16. `out` is fp32 scratch of `dim` values. */
+static inline void rotate(const void *x, int64_t offset, const float *cos_row, const float *sin_row,
+                          int64_t dim, int bf16, float *out) {
+    const int64_t half = dim / 2;
+    for (int64_t d = 0; d < dim; d++) {
+        const float value = load_act(x, offset + d, bf16);
+        const float partner = d < half ? -load_act(x, offset + d + half, bf16) : load_act(x, offset + d - half, bf16);
+        const float a = round_act(value * round_act(cos_row[d], bf16), bf16);
+        const float b = round_act(partner * round_act(sin_row[d], bf16), bf16);
+        out[d] = round_act(a + b, bf16);
+    }
+}
+
+/* From the fused projection qkv [T, (H + 2 KVH) * D] (model dtype): q rotated -> q_out [T, H, D] fp32
+   (exact copies of model-dtype values); k rotated and v written to the caches at (block, offset) of
+   each token: k_cache [blocks, KVH, D, block] (transposed), v_cache [blocks, KVH, block, D]. */
+void detinf_rotary_write_kv(const void *qkv, const int64_t *positions, const float *cos_table,
+                            const float *sin_table, const int64_t *write_blocks, const int64_t *write_offsets,
+                            float *q_out, void *k_cache, void *v_cache, int64_t tokens, int64_t heads,
+                            int64_t kv_heads, int64_t dim, int64_t block, int model_bf16) {
+    const int64_t width = (heads + 2 * kv_heads) * dim;
+    float rotated[1024];
+    if (dim > 1024) return;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *cos_row = cos_table + positions[t] * dim, *sin_row = sin_table + positions[t] * dim;
+        const int64_t row = t * width, blk = write_blocks[t], off = write_offsets[t];
+        for (int64_t h = 0; h < heads; h++) {
+            rotate(qkv, row + h * dim, cos_row, sin_row, dim, model_bf16, q_out + (t * heads + h) * dim);
+        }
+        for (int64_t h = 0; h < kv_heads; h++) {
+            rotate(qkv, row + (heads + h) * dim, cos_row, sin_row, dim, model_bf16, rotated);
+            const int64_t k_base = ((blk * kv_heads + h) * dim) * block + off;
+            const int64_t v_base = ((blk * kv_heads + h) * block + off) * dim;
+            for (int64_t d = 0; d < dim; d++) {
+                store_act(k_cache, k_base + d * block, rotated[d], model_bf16);
+                store_act(v_cache, v_base + d, load_act(qkv, row + (heads + kv_heads + h) * dim + d, model_bf16),
+                          model_bf16);
+            }
+        }
+    }
+}

@@ -68,9 +68,12 @@ class NativeKernels:
             raise ValueError("attention kernel: row range or per-row tensors do not match q")
         status = self.library.detinf_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
-            block_ids.data_ptr(), row_table.data_ptr(), row_keys.data_ptr(),
-            first, end, q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[3], scale, out.data_ptr(),
+            block_ids.data_ptr(), block_ids.shape[0], row_table.data_ptr(), row_keys.data_ptr(), first, end,
+            q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[3], k_cache.shape[0], scale,
+            out.data_ptr(),
         )  # fmt: skip
+        if status == 2:
+            raise ValueError("attention kernel: a row sees no key or its block table is out of range")
         if status != 0:
             raise MemoryError("attention kernel could not allocate its workspace")
 
@@ -132,22 +135,31 @@ class NativeKernels:
         _check_activations((qkv, k_cache, v_cache), qkv.dtype)
         _check_indices((positions, write_blocks, write_offsets))
         tokens = qkv.shape[0]
-        if qkv.shape[1] != (heads + 2 * kv_heads) * dim or dim > 1024 or dim % 2:
+        if qkv.dim() != 2 or qkv.shape[1] != (heads + 2 * kv_heads) * dim or dim > 1024 or dim % 2:
             raise ValueError("rotary_write_kv: qkv width does not match the heads and the cache")
-        if (
-            cos.dtype != torch.float32
-            or cos.shape != sin.shape
-            or not (cos.is_contiguous() and sin.is_contiguous())
+        if v_cache.shape != (num_blocks, kv_heads, block, dim):
+            raise ValueError("rotary_write_kv: the value cache does not match the key cache")
+        if any(index.shape != (tokens,) for index in (positions, write_blocks, write_offsets)):
+            raise ValueError("rotary_write_kv: positions, blocks and offsets need one entry per token")
+        tables_ok = cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape
+        if not (
+            tables_ok
+            and cos.dim() == 2
+            and cos.shape[1] == dim
+            and cos.is_contiguous()
+            and sin.is_contiguous()
         ):
-            raise ValueError("rotary_write_kv: cos and sin must be contiguous fp32 tables of one shape")
-        if tokens and (int(positions.max()) >= cos.shape[0] or int(write_blocks.max()) >= num_blocks):
-            raise ValueError("rotary_write_kv: a position or a cache block is out of range")
+            raise ValueError(
+                "rotary_write_kv: cos and sin must be contiguous fp32 [positions, head_dim] tables"
+            )
         q_out = torch.empty((tokens, heads, dim), dtype=torch.float32)
-        self.library.detinf_rotary_write_kv(
+        status = self.library.detinf_rotary_write_kv(
             qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), write_blocks.data_ptr(),
             write_offsets.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tokens, heads,
-            kv_heads, dim, block, int(qkv.dtype == torch.bfloat16),
+            kv_heads, dim, block, num_blocks, cos.shape[0], int(qkv.dtype == torch.bfloat16),
         )  # fmt: skip
+        if status != 0:
+            raise ValueError("rotary_write_kv: a position, cache block or slot offset is out of range")
         return q_out
 
     def exp(self, x: float) -> float:
@@ -256,8 +268,8 @@ def load(path: Path) -> NativeKernels:
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     library.detinf_attention.restype = ctypes.c_int
     library.detinf_attention.argtypes = [
-        pointer, pointer, pointer, ctypes.c_int, pointer, pointer, pointer,
-        i64, i64, i64, i64, i64, i64, ctypes.c_float, pointer,
+        pointer, pointer, pointer, ctypes.c_int, pointer, i64, pointer, pointer,
+        i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, pointer,
     ]  # fmt: skip
     library.detinf_add_rms_norm.restype = None
     library.detinf_add_rms_norm.argtypes = [
@@ -272,8 +284,8 @@ def load(path: Path) -> NativeKernels:
     ]
     library.detinf_silu_mul.restype = None
     library.detinf_silu_mul.argtypes = [pointer, pointer, i64, i64, ctypes.c_int]
-    library.detinf_rotary_write_kv.restype = None
-    library.detinf_rotary_write_kv.argtypes = [pointer] * 9 + [i64] * 5 + [ctypes.c_int]
+    library.detinf_rotary_write_kv.restype = ctypes.c_int
+    library.detinf_rotary_write_kv.argtypes = [pointer] * 9 + [i64] * 7 + [ctypes.c_int]
     library.detinf_exp_nonpositive.restype = ctypes.c_float
     library.detinf_exp_nonpositive.argtypes = [ctypes.c_float]
     return NativeKernels(library, path, path.stem.removeprefix("attention-"))

@@ -286,6 +286,10 @@ def _bad_inputs() -> Iterator[tuple[str, dict[str, Any], str]]:
     three_heads = {"q": torch.zeros(2, 3, 16), "out": torch.zeros(2, 3, 16)}
     yield "heads not a multiple of KV heads", three_heads, "cache shapes"
     yield "row keys shorter than q", {"row_keys": valid["row_keys"][:1].clone()}, "per-row tensors"
+    yield "block id past the cache", {"block_ids": torch.tensor([2])}, "out of range"
+    yield "negative block id", {"block_ids": torch.tensor([-1])}, "out of range"
+    yield "table past block_ids", {"row_keys": torch.tensor([1, 9])}, "out of range"
+    yield "row with no key", {"row_keys": torch.tensor([0, 1])}, "out of range"
 
 
 @pytest.mark.parametrize(

@@ -455,6 +455,12 @@ def _bad_inputs() -> list[tuple[str, dict[str, Any], str]]:
         ("rotary non-contiguous table", {"cos": cos.t().contiguous().t()}, "cos and sin"),
         ("rotary position past the table", {"positions": tensor([0, 8])}, "out of range"),
         ("rotary block past the cache", {"write_blocks": tensor([0, 2])}, "out of range"),
+        ("rotary negative position", {"positions": tensor([0, -1])}, "out of range"),
+        ("rotary negative block", {"write_blocks": tensor([-1, 0])}, "out of range"),
+        ("rotary offset past the block", {"write_offsets": tensor([0, k_cache.shape[3]])}, "out of range"),
+        ("rotary short positions", {"positions": tensor([0])}, "one entry per token"),
+        ("rotary value cache shape", {"v_cache": zeros(1, *v_cache.shape[1:])}, "value cache"),
+        ("rotary table width", {"cos": zeros(8, 8), "sin": zeros(8, 8)}, "cos and sin"),
     ]
 
 

@@ -107,13 +107,22 @@ static inline f32x16 load16(const void *base, int64_t index, int bf16) {
     return value;
 }
 
-/* block_scores for 16-key blocks, straight from the cache (fp32 or bf16). */
-static inline void block_scores16(const float *q, const void *keys_t, int64_t offset, int64_t dim,
-                                  int bf16, float scale, float *scores) {
-    f32x16 lanes = {0};
-    for (int64_t d = 0; d < dim; d++) lanes = lanes + q[d] * load16(keys_t, offset + d * 16, bf16);
-    lanes = lanes * scale;
-    memcpy(scores, &lanes, sizeof lanes);
+#define INLINE static inline __attribute__((always_inline))
+
+/* block_scores for 16-key blocks straight from the cache, for n (1..4) query rows at once: the rows
+   share each loaded key vector but keep their own lanes, so each row's arithmetic is unchanged. Called
+   with a literal n, so the row loops unroll and the lanes stay in registers. */
+INLINE void block_scores16(int n, const float *const *q, const void *keys_t, int64_t offset, int64_t dim,
+                           int bf16, float scale, float *const *scores) {
+    f32x16 lanes[4] = {{0}};
+    for (int64_t d = 0; d < dim; d++) {
+        const f32x16 k = load16(keys_t, offset + d * 16, bf16);
+        for (int i = 0; i < n; i++) lanes[i] = lanes[i] + q[i][d] * k;
+    }
+    for (int i = 0; i < n; i++) {
+        const f32x16 scaled = lanes[i] * scale;
+        memcpy(scores[i], &scaled, sizeof scaled);
+    }
 }
 
 /* In place: scores[0..keys) -> exp(score - max), clamped below at -87. Returns their sum. */
@@ -145,82 +154,136 @@ typedef struct {
     float *out;
 } attention_args;
 
-/* Workspace of one thread: scores [G][keys rounded up to block], one key block, G accumulators. */
+/* Workspace of one thread: scores [G][keys rounded up to block], one key block, G accumulators, G sums. */
 typedef struct {
     float *scores;
     float *tile;
     float *acc;
+    float *totals;
 } workspace;
 
-/* acc[g][d] = sum over keys j ascending of p[g][j] * v_j[d]: each d on its own, so vector lanes and
-   scalar code round alike. */
-static inline void accumulate_values(const attention_args *a, const int64_t *table, int64_t kvh,
-                                     int64_t keys, int64_t stride, const workspace *w) {
-    const int64_t dim = a->head_dim, block = a->block, group = a->heads / a->kv_heads;
-    memset(w->acc, 0, sizeof(float) * (size_t)(group * dim));
-    for (int64_t j = 0; j < keys; j++) {
-        const int64_t offset = ((table[j / block] * a->kv_heads + kvh) * block + j % block) * dim;
-        if (dim % 16 == 0) {
-            for (int64_t d = 0; d < dim; d += 16) {
-                const f32x16 v = load16(a->v_cache, offset + d, a->bf16);
-                for (int64_t g = 0; g < group; g++) {
-                    f32x16 acc;
-                    memcpy(&acc, w->acc + g * dim + d, sizeof acc);
-                    acc = acc + w->scores[g * stride + j] * v;
-                    memcpy(w->acc + g * dim + d, &acc, sizeof acc);
-                }
-            }
-            continue;
+/* acc[i][d] = sum over keys j ascending of p[i][j] * v_j[d] for n (1..4) rows sharing the value loads;
+   each d on its own, accumulated from 0 in ascending j, so vector lanes and scalar code round alike. */
+INLINE void values16(int n, const attention_args *a, const int64_t *table, int64_t kvh, int64_t keys,
+                     const float *const *p, float *const *acc) {
+    const int64_t dim = a->head_dim, block = a->block;
+    for (int64_t d = 0; d < dim; d += 16) {
+        f32x16 sums[4] = {{0}};
+        for (int64_t j = 0; j < keys; j++) {
+            const int64_t offset = ((table[j / block] * a->kv_heads + kvh) * block + j % block) * dim;
+            const f32x16 v = load16(a->v_cache, offset + d, a->bf16);
+            for (int i = 0; i < n; i++) sums[i] = sums[i] + p[i][j] * v;
         }
-        load_row(a->v_cache, offset, w->tile, dim, a->bf16);
-        for (int64_t g = 0; g < group; g++) {
-            const float p = w->scores[g * stride + j];
-            float *acc = w->acc + g * dim;
-            for (int64_t d = 0; d < dim; d++) acc[d] = acc[d] + p * w->tile[d];
-        }
+        for (int i = 0; i < n; i++) memcpy(acc[i] + d, &sums[i], sizeof sums[i]);
     }
 }
 
-/* All query heads of KV head kvh for row r: G output rows of D values. */
+/* The same sums for any head_dim, one row at a time. */
+static void values_any(const attention_args *a, const int64_t *table, int64_t kvh, int64_t keys,
+                       const float *p, float *acc, float *tile) {
+    const int64_t dim = a->head_dim, block = a->block;
+    memset(acc, 0, sizeof(float) * (size_t)dim);
+    for (int64_t j = 0; j < keys; j++) {
+        load_row(a->v_cache, ((table[j / block] * a->kv_heads + kvh) * block + j % block) * dim, tile, dim,
+                 a->bf16);
+        for (int64_t d = 0; d < dim; d++) acc[d] = acc[d] + p[j] * tile[d];
+    }
+}
+
+/* Scores and value sums of rows first..first+n-1 of the group (n literal 1..4 where the kernels allow). */
+static void attend_rows(const attention_args *a, const int64_t *table, int64_t kvh, int64_t keys, int64_t stride,
+                        const float *q, int64_t first, int64_t n, const workspace *w) {
+    const int64_t dim = a->head_dim, block = a->block, num_blocks = (keys + block - 1) / block;
+    const float *rows_q[4];
+    float *rows_scores[4], *rows_acc[4];
+    for (int64_t i = 0; i < n; i++) {
+        rows_q[i] = q + (first + i) * dim;
+        rows_acc[i] = w->acc + (first + i) * dim;
+    }
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const int64_t offset = (table[b] * a->kv_heads + kvh) * dim * block;
+        for (int64_t i = 0; i < n; i++) rows_scores[i] = w->scores + (first + i) * stride + b * block;
+        if (block == 16) {
+            switch (n) {
+            case 4: block_scores16(4, rows_q, a->k_cache, offset, dim, a->bf16, a->scale, rows_scores); break;
+            case 3: block_scores16(3, rows_q, a->k_cache, offset, dim, a->bf16, a->scale, rows_scores); break;
+            case 2: block_scores16(2, rows_q, a->k_cache, offset, dim, a->bf16, a->scale, rows_scores); break;
+            default: block_scores16(1, rows_q, a->k_cache, offset, dim, a->bf16, a->scale, rows_scores); break;
+            }
+        } else {
+            load_row(a->k_cache, offset, w->tile, dim * block, a->bf16);
+            for (int64_t i = 0; i < n; i++) block_scores(rows_q[i], w->tile, dim, block, a->scale, rows_scores[i]);
+        }
+    }
+    const float *rows_p[4];
+    for (int64_t i = 0; i < n; i++) {
+        float *row = w->scores + (first + i) * stride;
+        w->totals[first + i] = exp_and_sum(row, keys);
+        rows_p[i] = row;
+    }
+    if (dim % 16 != 0) {
+        for (int64_t i = 0; i < n; i++) values_any(a, table, kvh, keys, rows_p[i], rows_acc[i], w->tile);
+        return;
+    }
+    switch (n) {
+    case 4: values16(4, a, table, kvh, keys, rows_p, rows_acc); break;
+    case 3: values16(3, a, table, kvh, keys, rows_p, rows_acc); break;
+    case 2: values16(2, a, table, kvh, keys, rows_p, rows_acc); break;
+    default: values16(1, a, table, kvh, keys, rows_p, rows_acc); break;
+    }
+}
+
+/* All query heads of KV head kvh for row r: G output rows of D values, in groups of up to 4 rows. */
 static void attend(const attention_args *a, int64_t r, int64_t kvh, const workspace *w) {
     const int64_t heads = a->heads, kv_heads = a->kv_heads, dim = a->head_dim, block = a->block;
-    const int64_t group = heads / kv_heads, token = r, keys = a->row_keys[r];
+    const int64_t group = heads / kv_heads, keys = a->row_keys[r];
     const int64_t *table = a->block_ids + a->row_table[r];
-    const int64_t num_blocks = (keys + block - 1) / block, stride = num_blocks * block;
-    const float *q = a->q + (token * heads + kvh * group) * dim; /* the group's heads are consecutive */
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const int64_t offset = (table[b] * kv_heads + kvh) * dim * block;
-        if (block != 16) load_row(a->k_cache, offset, w->tile, dim * block, a->bf16);
-        for (int64_t g = 0; g < group; g++) {
-            float *scores = w->scores + g * stride + b * block;
-            if (block == 16) block_scores16(q + g * dim, a->k_cache, offset, dim, a->bf16, a->scale, scores);
-            else block_scores(q + g * dim, w->tile, dim, block, a->scale, scores);
-        }
+    const int64_t stride = (keys + block - 1) / block * block;
+    const float *q = a->q + (r * heads + kvh * group) * dim; /* the group's heads are consecutive */
+    for (int64_t first = 0; first < group; first += 4) {
+        attend_rows(a, table, kvh, keys, stride, q, first, group - first < 4 ? group - first : 4, w);
     }
-    float totals[group];
-    for (int64_t g = 0; g < group; g++) totals[g] = exp_and_sum(w->scores + g * stride, keys);
-    accumulate_values(a, table, kvh, keys, stride, w);
     for (int64_t g = 0; g < group; g++) {
-        float *dst = a->out + (token * heads + kvh * group + g) * dim;
-        for (int64_t d = 0; d < dim; d++) dst[d] = w->acc[g * dim + d] / totals[g];
+        float *dst = a->out + (r * heads + kvh * group + g) * dim;
+        for (int64_t d = 0; d < dim; d++) dst[d] = w->acc[g * dim + d] / w->totals[g];
     }
 }
 
-/* Computes rows [first_row, end_row), every head. Returns 0, or 1 when the workspace could not be
-   allocated (then nothing was written). */
+/* Computes rows [first_row, end_row), every head. */
+/* 1 when a row sees no key, or its block table runs past block_ids or names a block outside the cache. */
+static int rows_out_of_range(const int64_t *block_ids, int64_t num_ids, const int64_t *row_table,
+                             const int64_t *row_keys, int64_t first_row, int64_t end_row, int64_t block,
+                             int64_t num_blocks) {
+    for (int64_t r = first_row; r < end_row; r++) {
+        const int64_t needed = (row_keys[r] + block - 1) / block;
+        if (row_keys[r] < 1 || row_table[r] < 0 || row_table[r] + needed > num_ids) return 1;
+        for (int64_t b = 0; b < needed; b++) {
+            const int64_t id = block_ids[row_table[r] + b];
+            if (id < 0 || id >= num_blocks) return 1;
+        }
+    }
+    return 0;
+}
+
+/* Returns 0; 1 when the workspace could not be allocated; 2 when an index is out of range (nothing is
+   written in either case). */
 int detinf_attention(const float *q, const void *k_cache, const void *v_cache, int cache_is_bf16,
-                     const int64_t *block_ids, const int64_t *row_table,
+                     const int64_t *block_ids, int64_t num_ids, const int64_t *row_table,
                      const int64_t *row_keys, int64_t first_row, int64_t end_row, int64_t heads,
-                     int64_t kv_heads, int64_t head_dim, int64_t block, float scale, float *out) {
-    const attention_args a = {q, k_cache, v_cache, cache_is_bf16, block_ids, row_table, row_keys, heads, kv_heads, head_dim, block, scale, out};
+                     int64_t kv_heads, int64_t head_dim, int64_t block, int64_t num_blocks, float scale,
+                     float *out) {
+    if (rows_out_of_range(block_ids, num_ids, row_table, row_keys, first_row, end_row, block, num_blocks))
+        return 2;
+    const attention_args a = {q,     k_cache,  v_cache,  cache_is_bf16, block_ids, row_table, row_keys,
+                              heads, kv_heads, head_dim, block,         scale,     out};
     const int64_t group = heads / kv_heads;
     int64_t max_keys = 1;
     for (int64_t r = first_row; r < end_row; r++) max_keys = a.row_keys[r] > max_keys ? a.row_keys[r] : max_keys;
-    const int64_t stride = (max_keys + block - 1) / block * block;
-    workspace w = {malloc(sizeof(float) * (size_t)(group * stride)), malloc(sizeof(float) * (size_t)(head_dim * block)),
-                   malloc(sizeof(float) * (size_t)(group * head_dim))};
+    const size_t stride = (size_t)((max_keys + block - 1) / block * block);
+    workspace w = {malloc(sizeof(float) * (size_t)group * stride), malloc(sizeof(float) * (size_t)(head_dim * block)),
+                   malloc(sizeof(float) * (size_t)(group * head_dim)), malloc(sizeof(float) * (size_t)group)};
     int status = 1;
-    if (w.scores != NULL && w.tile != NULL && w.acc != NULL) {
+    if (w.scores != NULL && w.tile != NULL && w.acc != NULL && w.totals != NULL) {
         for (int64_t r = first_row; r < end_row; r++) {
             for (int64_t kvh = 0; kvh < kv_heads; kvh++) attend(&a, r, kvh, &w);
         }
@@ -229,6 +292,7 @@ int detinf_attention(const float *q, const void *k_cache, const void *v_cache, i
     free(w.scores);
     free(w.tile);
     free(w.acc);
+    free(w.totals);
     return status;
 }
 

@@ -130,14 +130,21 @@ static inline void rotate(const void *x, int64_t offset, const float *cos_row, c
 
 /* From the fused projection qkv [T, (H + 2 KVH) * D] (model dtype): q rotated -> q_out [T, H, D] fp32
    (exact copies of model-dtype values); k rotated and v written to the caches at (block, offset) of
-   each token: k_cache [blocks, KVH, D, block] (transposed), v_cache [blocks, KVH, block, D]. */
-void detinf_rotary_write_kv(const void *qkv, const int64_t *positions, const float *cos_table,
-                            const float *sin_table, const int64_t *write_blocks, const int64_t *write_offsets,
-                            float *q_out, void *k_cache, void *v_cache, int64_t tokens, int64_t heads,
-                            int64_t kv_heads, int64_t dim, int64_t block, int model_bf16) {
+   each token: k_cache [blocks, KVH, D, block] (transposed), v_cache [blocks, KVH, block, D].
+   Returns 0, or 1 without writing anything when a position, block or offset is out of range. */
+int detinf_rotary_write_kv(const void *qkv, const int64_t *positions, const float *cos_table,
+                           const float *sin_table, const int64_t *write_blocks, const int64_t *write_offsets,
+                           float *q_out, void *k_cache, void *v_cache, int64_t tokens, int64_t heads,
+                           int64_t kv_heads, int64_t dim, int64_t block, int64_t num_blocks, int64_t table_rows,
+                           int model_bf16) {
     const int64_t width = (heads + 2 * kv_heads) * dim;
     float rotated[1024];
-    if (dim > 1024) return;
+    if (dim > 1024) return 1;
+    for (int64_t t = 0; t < tokens; t++) {
+        if (positions[t] < 0 || positions[t] >= table_rows || write_blocks[t] < 0 || write_blocks[t] >= num_blocks ||
+            write_offsets[t] < 0 || write_offsets[t] >= block)
+            return 1;
+    }
     for (int64_t t = 0; t < tokens; t++) {
         const float *cos_row = cos_table + positions[t] * dim, *sin_row = sin_table + positions[t] * dim;
         const int64_t row = t * width, blk = write_blocks[t], off = write_offsets[t];
@@ -155,4 +162,5 @@ void detinf_rotary_write_kv(const void *qkv, const int64_t *positions, const flo
             }
         }
     }
+    return 0;
 }

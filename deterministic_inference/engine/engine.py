@@ -249,7 +249,7 @@ class Engine:
         if not rows:
             return {}
         result = sampler.sample(
-            torch.stack(rows),
+            sampler.as_batch(rows),
             [r.params for r in requests],
             [r.seed for r in requests],
             [len(r.output_token_ids) for r in requests],

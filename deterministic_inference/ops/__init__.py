@@ -11,4 +11,5 @@ Ops that differ from plain torch take `batch_invariant`; False switches to the p
 # must not claim the same fingerprint. 2 = all-tiles attention with an exact row max, exp-based silu.
 # 3 = row-at-a-time compiled attention kernel (ops/csrc/attention.c), K cache transposed per block.
 # 4 = RMSNorm (fused with the residual add), silu_mul and rotary + KV write compiled (ops/csrc/rowwise.c).
-OPS_REVISION = 4
+# 5 = attention dot products and value sums as explicit fused multiply-adds (fmaf).
+OPS_REVISION = 5

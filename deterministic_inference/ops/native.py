@@ -6,9 +6,11 @@ in a file named by the sha256 of the source, the flags and the compiler's versio
 of them builds a new library and never reuses a stale one. Builds go to a temporary name and are
 renamed into place, so processes building at the same time cannot load a half-written file.
 
-Why the build cannot change bits: the flags forbid reassociation (no -ffast-math) and fused
-multiply-add (-ffp-contract=off), so every float operation in the source is one IEEE-rounded
-operation whether the compiler vectorises it or not; the ISA flags change speed only. The kernel's
+Why the build cannot change bits: the flags forbid reassociation (no -ffast-math) and contraction
+(-ffp-contract=off: the compiler fuses no multiply-add the source does not write as fmaf), so every
+float operation in the source is one IEEE-rounded operation whether the compiler vectorises it or
+not; the ISA flags change speed only. -fno-math-errno lets fmaf vectorise (it never sets errno for
+finite inputs anyway). The kernel's
 identity (`NativeKernels.digest`) still goes into the engine fingerprint.
 """
 
@@ -29,7 +31,7 @@ import torch
 from deterministic_inference.errors import DetinfError
 
 SOURCES = (Path(__file__).parent / "csrc" / "attention.c", Path(__file__).parent / "csrc" / "rowwise.c")
-BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-fno-fast-math", "-ffp-contract=off")
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-fno-fast-math", "-ffp-contract=off", "-fno-math-errno")
 ISA_FLAGS = ("-march=native",)
 
 
@@ -257,7 +259,10 @@ def build(isa_flags: tuple[str, ...] = ISA_FLAGS, directory: Path | None = None)
         )
         if result.returncode != 0:
             first_line = (result.stderr.strip().splitlines() or ["(no output)"])[0]
-            raise NativeBuildError(f"building the attention kernel with {cc} failed: {first_line}")
+            raise NativeBuildError(
+                f"building the C kernels with {cc} failed: {first_line}; fix the compiler (or set CC to a "
+                "working one), or run with --no-batch-invariant"
+            )
         os.replace(partial, target)
     return target
 

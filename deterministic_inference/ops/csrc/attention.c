@@ -2,20 +2,23 @@
 
    Every output row (one query token x one query head) is computed by the same sequence of IEEE
    float operations, fixed by this source alone:
-     scores[j] = dot(q, k_j) * scale          dot: 16 lane partial sums over head_dim, then a fixed tree
+     scores[j] = dot(q, k_j) * scale          dot: fused multiply-adds (fmaf) over d ascending, from 0
      m         = max_j scores[j]               exact
      p[j]      = exp(max(scores[j] - m, -87))  exp below: range reduction + degree-7 polynomial
-     l         = sum_j p[j]                    16 lane partial sums over j, then the same fixed tree
-     acc[d]    = sum_j p[j] * v_j[d]           ascending j, each d on its own
+     l         = sum_j p[j]                    16 lane partial sums over j, then a fixed tree
+     acc[d]    = sum_j p[j] * v_j[d]           fused multiply-adds over j ascending, each d on its own
      out[d]    = acc[d] / l
    where j runs over the row's own keys 0..n-1 and nothing else. No row reads another row's data, so
    a row's bits cannot depend on the batch, the chunk it is in, the number of rows per call or the
    thread that computes it.
 
-   Build flags must keep that promise: no -ffast-math (no reassociation) and -ffp-contract=off (no
-   fused multiply-add, which would round differently from mul + add). With those, a vectorised loop
-   body and its scalar tail round identically, so the ISA flags change speed, not bits. */
+   Build flags must keep that promise: no -ffast-math (no reassociation) and -ffp-contract=off (the
+   compiler fuses nothing on its own). Fused multiply-adds appear only where the source asks for one
+   (fmaf: IEEE fma, one rounding, the same in an FMA instruction, a vector lane or libm's software
+   fmaf on a CPU without FMA). So a vectorised loop body and its scalar tail round identically, and
+   the ISA flags change speed, not bits. */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,7 +86,7 @@ static inline void block_scores(const float *q, const float *keys_t, int64_t dim
     for (int64_t d = 0; d < dim; d++) {
         const float qd = q[d];
         const float *k = keys_t + d * block;
-        for (int64_t l = 0; l < block; l++) scores[l] = scores[l] + qd * k[l];
+        for (int64_t l = 0; l < block; l++) scores[l] = fmaf(qd, k[l], scores[l]);
     }
     for (int64_t l = 0; l < block; l++) scores[l] = scores[l] * scale;
 }
@@ -93,6 +96,14 @@ static inline void block_scores(const float *q, const float *keys_t, int64_t dim
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+/* a * b + c per lane with one rounding (one vfmadd on AVX-512, fmaf calls elsewhere: same bits). */
+static inline __attribute__((always_inline)) f32x16 fma16(float a, f32x16 b, f32x16 c) {
+    f32x16 broadcast, result;
+    for (int l = 0; l < 16; l++) broadcast[l] = a;
+    for (int l = 0; l < 16; l++) result[l] = fmaf(broadcast[l], b[l], c[l]);
+    return result;
+}
 
 static inline f32x16 load16(const void *base, int64_t index, int bf16) {
     f32x16 value;
@@ -114,15 +125,16 @@ static inline f32x16 load16(const void *base, int64_t index, int bf16) {
    with a literal n, so the row loops unroll and the lanes stay in registers. */
 INLINE void block_scores16(int n, const float *const *q, const void *keys_t, int64_t offset, int64_t dim,
                            int bf16, float scale, float *const *scores) {
-    f32x16 lanes[4] = {{0}};
+    f32x16 lanes0 = {0}, lanes1 = {0}, lanes2 = {0}, lanes3 = {0}; /* rows 0..n-1; n is a literal */
     for (int64_t d = 0; d < dim; d++) {
         const f32x16 k = load16(keys_t, offset + d * 16, bf16);
-        for (int i = 0; i < n; i++) lanes[i] = lanes[i] + q[i][d] * k;
+        lanes0 = fma16(q[0][d], k, lanes0);
+        if (n > 1) lanes1 = fma16(q[1][d], k, lanes1);
+        if (n > 2) lanes2 = fma16(q[2][d], k, lanes2);
+        if (n > 3) lanes3 = fma16(q[3][d], k, lanes3);
     }
-    for (int i = 0; i < n; i++) {
-        const f32x16 scaled = lanes[i] * scale;
-        memcpy(scores[i], &scaled, sizeof scaled);
-    }
+    const f32x16 lanes[4] = {lanes0 * scale, lanes1 * scale, lanes2 * scale, lanes3 * scale};
+    for (int i = 0; i < n; i++) memcpy(scores[i], &lanes[i], sizeof lanes[i]);
 }
 
 /* In place: scores[0..keys) -> exp(score - max), clamped below at -87. Returns their sum. */
@@ -168,12 +180,42 @@ INLINE void values16(int n, const attention_args *a, const int64_t *table, int64
                      const float *const *p, float *const *acc) {
     const int64_t dim = a->head_dim, block = a->block;
     for (int64_t d = 0; d < dim; d += 16) {
-        f32x16 sums[4] = {{0}};
-        for (int64_t j = 0; j < keys; j++) {
-            const int64_t offset = ((table[j / block] * a->kv_heads + kvh) * block + j % block) * dim;
-            const f32x16 v = load16(a->v_cache, offset + d, a->bf16);
-            for (int i = 0; i < n; i++) sums[i] = sums[i] + p[i][j] * v;
+        f32x16 sums0 = {0}, sums1 = {0}, sums2 = {0}, sums3 = {0}; /* rows 0..n-1; n is a literal */
+        for (int64_t first = 0; first < keys; first += block) { /* keys in ascending order, block by block */
+            const int64_t base = (table[first / block] * a->kv_heads + kvh) * block * dim + d;
+            const int64_t count = keys - first < block ? keys - first : block;
+            for (int64_t l = 0; l < count; l++) {
+                const int64_t j = first + l;
+                const f32x16 v = load16(a->v_cache, base + l * dim, a->bf16);
+                sums0 = fma16(p[0][j], v, sums0);
+                if (n > 1) sums1 = fma16(p[1][j], v, sums1);
+                if (n > 2) sums2 = fma16(p[2][j], v, sums2);
+                if (n > 3) sums3 = fma16(p[3][j], v, sums3);
+            }
         }
+        const f32x16 sums[4] = {sums0, sums1, sums2, sums3};
+        for (int i = 0; i < n; i++) memcpy(acc[i] + d, &sums[i], sizeof sums[i]);
+    }
+}
+
+/* values16 for the keys of ONE 16-key block (count <= 16 of them), continuing the sums in acc: the
+   same fused multiply-adds in the same ascending key order, split at block boundaries. */
+INLINE void block_values16(int n, const void *v_cache, int64_t offset, int64_t count, int64_t dim, int bf16,
+                           const float *const *p, float *const *acc) {
+    for (int64_t d = 0; d < dim; d += 16) {
+        f32x16 sums0, sums1 = {0}, sums2 = {0}, sums3 = {0}; /* rows 0..n-1; n is a literal */
+        memcpy(&sums0, acc[0] + d, sizeof sums0);
+        if (n > 1) memcpy(&sums1, acc[1] + d, sizeof sums1);
+        if (n > 2) memcpy(&sums2, acc[2] + d, sizeof sums2);
+        if (n > 3) memcpy(&sums3, acc[3] + d, sizeof sums3);
+        for (int64_t l = 0; l < count; l++) {
+            const f32x16 v = load16(v_cache, offset + l * dim + d, bf16);
+            sums0 = fma16(p[0][l], v, sums0);
+            if (n > 1) sums1 = fma16(p[1][l], v, sums1);
+            if (n > 2) sums2 = fma16(p[2][l], v, sums2);
+            if (n > 3) sums3 = fma16(p[3][l], v, sums3);
+        }
+        const f32x16 sums[4] = {sums0, sums1, sums2, sums3};
         for (int i = 0; i < n; i++) memcpy(acc[i] + d, &sums[i], sizeof sums[i]);
     }
 }
@@ -186,7 +228,7 @@ static void values_any(const attention_args *a, const int64_t *table, int64_t kv
     for (int64_t j = 0; j < keys; j++) {
         load_row(a->v_cache, ((table[j / block] * a->kv_heads + kvh) * block + j % block) * dim, tile, dim,
                  a->bf16);
-        for (int64_t d = 0; d < dim; d++) acc[d] = acc[d] + p[j] * tile[d];
+        for (int64_t d = 0; d < dim; d++) acc[d] = fmaf(p[j], tile[d], acc[d]);
     }
 }
 
@@ -200,13 +242,8 @@ static void attend_rows(const attention_args *a, const int64_t *table, int64_t k
         rows_q[i] = q + (first + i) * dim;
         rows_acc[i] = w->acc + (first + i) * dim;
     }
-    const int64_t element = a->bf16 ? 2 : 4;
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t offset = (table[b] * a->kv_heads + kvh) * dim * block;
-        if (b + 1 < num_blocks) { /* the next key block, while this one is computed (speed only) */
-            const char *next = (const char *)a->k_cache + (table[b + 1] * a->kv_heads + kvh) * dim * block * element;
-            for (int64_t byte = 0; byte < dim * block * element; byte += 64) __builtin_prefetch(next + byte);
-        }
         for (int64_t i = 0; i < n; i++) rows_scores[i] = w->scores + (first + i) * stride + b * block;
         if (block == 16) {
             switch (n) {
@@ -254,22 +291,60 @@ static void attend(const attention_args *a, int64_t r, int64_t kvh, const worksp
     }
 }
 
-/* Computes rows [first_row, end_row), every head. */
-/* Ask for the next row's keys and values while this row is computed (speed only: no value changes).
-   A block of one layer's cache holds every KV head, [KVH, D, block] keys then [KVH, block, D] values. */
-static void prefetch_row(const attention_args *a, int64_t r) {
-    const int64_t block_bytes = a->kv_heads * a->head_dim * a->block * (a->bf16 ? 2 : 4);
-    const int64_t *table = a->block_ids + a->row_table[r];
-    for (int64_t b = 0; b < (a->row_keys[r] + a->block - 1) / a->block; b++) {
-        const char *keys = (const char *)a->k_cache + table[b] * block_bytes;
-        const char *values = (const char *)a->v_cache + table[b] * block_bytes;
-        for (int64_t byte = 0; byte < block_bytes; byte += 64) {
-            __builtin_prefetch(keys + byte);
-            __builtin_prefetch(values + byte);
-        }
+/* Rows n (literal 1..4) of the query heads starting at head h0 (all of one KV head), over one block. */
+static void block_rows(const attention_args *a, int64_t r, int64_t h0, int64_t n, int64_t block_id, int64_t first_key,
+                       int64_t count, int64_t stride, const workspace *w, int values) {
+    const int64_t dim = a->head_dim, kvh = h0 / (a->heads / a->kv_heads);
+    const float *rows_q[4];
+    float *rows_scores[4], *rows_acc[4];
+    for (int64_t i = 0; i < n; i++) {
+        rows_q[i] = a->q + (r * a->heads + h0 + i) * dim;
+        rows_scores[i] = w->scores + (h0 + i) * stride + first_key;
+        rows_acc[i] = w->acc + (h0 + i) * dim;
+    }
+    const int64_t offset = (block_id * a->kv_heads + kvh) * dim * 16;
+    const float *const *rows_p = (const float *const *)rows_scores;
+    switch (values * 4 + n) {
+    case 1: block_scores16(1, rows_q, a->k_cache, offset, dim, a->bf16, a->scale, rows_scores); break;
+    case 2: block_scores16(2, rows_q, a->k_cache, offset, dim, a->bf16, a->scale, rows_scores); break;
+    case 3: block_scores16(3, rows_q, a->k_cache, offset, dim, a->bf16, a->scale, rows_scores); break;
+    case 4: block_scores16(4, rows_q, a->k_cache, offset, dim, a->bf16, a->scale, rows_scores); break;
+    case 5: block_values16(1, a->v_cache, offset, count, dim, a->bf16, rows_p, rows_acc); break;
+    case 6: block_values16(2, a->v_cache, offset, count, dim, a->bf16, rows_p, rows_acc); break;
+    case 7: block_values16(3, a->v_cache, offset, count, dim, a->bf16, rows_p, rows_acc); break;
+    default: block_values16(4, a->v_cache, offset, count, dim, a->bf16, rows_p, rows_acc); break;
     }
 }
 
+/* Every head of row r with 16-key blocks and head_dim a multiple of 16: the same arithmetic as attend(),
+   but block by block over all KV heads, so each block's keys (then values) are read as one contiguous
+   run of memory instead of one slice per KV head. */
+static void attend_row16(const attention_args *a, int64_t r, const workspace *w) {
+    const int64_t heads = a->heads, group = heads / a->kv_heads, dim = a->head_dim, keys = a->row_keys[r];
+    const int64_t *table = a->block_ids + a->row_table[r];
+    const int64_t num_blocks = (keys + 15) / 16, stride = num_blocks * 16;
+    for (int values = 0; values < 2; values++) {
+        if (values) {
+            for (int64_t h = 0; h < heads; h++) w->totals[h] = exp_and_sum(w->scores + h * stride, keys);
+            memset(w->acc, 0, sizeof(float) * (size_t)(heads * dim));
+        }
+        for (int64_t b = 0; b < num_blocks; b++) {
+            const int64_t count = keys - b * 16 < 16 ? keys - b * 16 : 16;
+            for (int64_t h0 = 0; h0 < heads; h0 += group) {
+                for (int64_t first = 0; first < group; first += 4) {
+                    const int64_t n = group - first < 4 ? group - first : 4;
+                    block_rows(a, r, h0 + first, n, table[b], b * 16, count, stride, w, values);
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        float *dst = a->out + (r * heads + h) * dim;
+        for (int64_t d = 0; d < dim; d++) dst[d] = w->acc[h * dim + d] / w->totals[h];
+    }
+}
+
+/* Computes rows [first_row, end_row), every head. */
 /* 1 when a row sees no key, or its block table runs past block_ids or names a block outside the cache. */
 static int rows_out_of_range(const int64_t *block_ids, int64_t num_ids, const int64_t *row_table,
                              const int64_t *row_keys, int64_t first_row, int64_t end_row, int64_t block,
@@ -296,16 +371,19 @@ int detinf_attention(const float *q, const void *k_cache, const void *v_cache, i
         return 2;
     const attention_args a = {q,     k_cache,  v_cache,  cache_is_bf16, block_ids, row_table, row_keys,
                               heads, kv_heads, head_dim, block,         scale,     out};
-    const int64_t group = heads / kv_heads;
     int64_t max_keys = 1;
     for (int64_t r = first_row; r < end_row; r++) max_keys = a.row_keys[r] > max_keys ? a.row_keys[r] : max_keys;
     const size_t stride = (size_t)((max_keys + block - 1) / block * block);
-    workspace w = {malloc(sizeof(float) * (size_t)group * stride), malloc(sizeof(float) * (size_t)(head_dim * block)),
-                   malloc(sizeof(float) * (size_t)(group * head_dim)), malloc(sizeof(float) * (size_t)group)};
+    workspace w = {malloc(sizeof(float) * (size_t)heads * stride), malloc(sizeof(float) * (size_t)(head_dim * block)),
+                   malloc(sizeof(float) * (size_t)(heads * head_dim)), malloc(sizeof(float) * (size_t)heads)};
     int status = 1;
     if (w.scores != NULL && w.tile != NULL && w.acc != NULL && w.totals != NULL) {
+        const int fast = block == 16 && head_dim % 16 == 0;
         for (int64_t r = first_row; r < end_row; r++) {
-            if (r + 1 < end_row) prefetch_row(&a, r + 1);
+            if (fast) {
+                attend_row16(&a, r, &w);
+                continue;
+            }
             for (int64_t kvh = 0; kvh < kv_heads; kvh++) attend(&a, r, kvh, &w);
         }
         status = 0;

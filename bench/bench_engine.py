@@ -3,8 +3,8 @@
 Run by hand from the repository root (not a test):
   .venv/bin/python -m bench.bench_engine [--concurrency 1 8 32] [--prompt-len 128] [--output-len 128]
   [--threads 2] [--no-hf]
-Prints one JSON line per measurement and a summary table. Measurements of one run are side by side, so
-compare their ratios; absolute numbers move with the machine's load.
+Prints one JSON line per measurement and a summary table. Every measurement runs in its own fresh
+process, one after another; compare the ratios of one run, absolute numbers move with the machine's load.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import subprocess
+import sys
 import time
 
 import torch
@@ -65,6 +67,22 @@ def bench_hf(loaded: LoadedModel, prompts: list[list[int]], output_len: int, dty
     }
 
 
+IMPLS = ("inv", "plain", "hf")
+
+
+def measure(impl: str, concurrency: int, args: argparse.Namespace) -> dict:
+    """One measurement in this process."""
+    torch.set_num_threads(args.threads)
+    loaded = load_model(None)
+    prompts = make_prompts(concurrency, args.prompt_len, loaded.spec.vocab_size)
+    if impl == "hf":
+        run = bench_hf(loaded, prompts, args.output_len, torch.bfloat16)
+    else:
+        run = bench_engine(loaded, prompts, args.output_len, impl == "inv", args.dtype)
+    run.update(concurrency=concurrency, threads=args.threads, tok_per_s=run["tokens"] / run["seconds"])
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -73,20 +91,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--one", choices=IMPLS, help="run one measurement in this process (used internally)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    loaded = load_model(None)
+    if args.one is not None:
+        print(json.dumps(measure(args.one, args.concurrency[0], args)), flush=True)
+        return
+    # Each measurement in a fresh process, as a user would run it: no allocator state, thread pool or
+    # process-wide setting (the engine tunes glibc's malloc) carries over from one to the next.
     rows = []
     for concurrency in args.concurrency:
-        prompts = make_prompts(concurrency, args.prompt_len, loaded.spec.vocab_size)
-        runs = [
-            bench_engine(loaded, prompts, args.output_len, True, args.dtype),
-            bench_engine(loaded, prompts, args.output_len, False, args.dtype),
-        ]
-        if not args.no_hf:
-            runs.append(bench_hf(loaded, prompts, args.output_len, torch.bfloat16))
-        for run in runs:
-            run.update(concurrency=concurrency, tok_per_s=run["tokens"] / run["seconds"])
+        for impl in IMPLS[:2] if args.no_hf else IMPLS:
+            command = [sys.executable, "-m", "bench.bench_engine", "--one", impl]
+            command += ["--concurrency", str(concurrency)]
+            for flag in ("prompt_len", "output_len", "threads", "dtype"):
+                command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            run = json.loads(done.stdout.strip().splitlines()[-1])
             print(json.dumps(run), flush=True)
             rows.append(run)
     print(f"\n{'conc':>4} {'impl':<28} {'tok/s':>9}")

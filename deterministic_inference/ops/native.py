@@ -31,7 +31,11 @@ import torch
 from deterministic_inference.errors import DetinfError
 
 SOURCES = (Path(__file__).parent / "csrc" / "attention.c", Path(__file__).parent / "csrc" / "rowwise.c")
-BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-fno-fast-math", "-ffp-contract=off", "-fno-math-errno")
+# -fopenmp: rows are shared out between OpenMP threads. torch is imported first and has loaded its own
+# libgomp.so.1, which the kernels' libgomp.so.1 dependency then resolves to: one thread pool, sized by
+# torch.set_num_threads.
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-fopenmp")
+BASE_FLAGS += ("-fno-fast-math", "-ffp-contract=off", "-fno-math-errno")
 ISA_FLAGS = ("-march=native",)
 
 

@@ -360,8 +360,8 @@ static int rows_out_of_range(const int64_t *block_ids, int64_t num_ids, const in
     return 0;
 }
 
-/* Returns 0; 1 when the workspace could not be allocated; 2 when an index is out of range (nothing is
-   written in either case). */
+/* Returns 0; 1 when a workspace could not be allocated (some rows are then not written); 2 when an
+   index is out of range (nothing is written). */
 int detinf_attention(const float *q, const void *k_cache, const void *v_cache, int cache_is_bf16,
                      const int64_t *block_ids, int64_t num_ids, const int64_t *row_table,
                      const int64_t *row_keys, int64_t first_row, int64_t end_row, int64_t heads,
@@ -374,24 +374,30 @@ int detinf_attention(const float *q, const void *k_cache, const void *v_cache, i
     int64_t max_keys = 1;
     for (int64_t r = first_row; r < end_row; r++) max_keys = a.row_keys[r] > max_keys ? a.row_keys[r] : max_keys;
     const size_t stride = (size_t)((max_keys + block - 1) / block * block);
-    workspace w = {malloc(sizeof(float) * (size_t)heads * stride), malloc(sizeof(float) * (size_t)(head_dim * block)),
-                   malloc(sizeof(float) * (size_t)(heads * head_dim)), malloc(sizeof(float) * (size_t)heads)};
-    int status = 1;
-    if (w.scores != NULL && w.tile != NULL && w.acc != NULL && w.totals != NULL) {
-        const int fast = block == 16 && head_dim % 16 == 0;
+    const int fast = block == 16 && head_dim % 16 == 0;
+    int status = 0;
+    /* Rows are shared out between torch's OpenMP threads (the process's one libgomp, so no second
+       thread pool); each row is computed whole by one thread, so the split never changes a bit. */
+#pragma omp parallel reduction(| : status)
+    {
+        workspace w = {malloc(sizeof(float) * (size_t)heads * stride), malloc(sizeof(float) * (size_t)(head_dim * block)),
+                       malloc(sizeof(float) * (size_t)(heads * head_dim)), malloc(sizeof(float) * (size_t)heads)};
+        const int ready = w.scores != NULL && w.tile != NULL && w.acc != NULL && w.totals != NULL;
+#pragma omp for schedule(dynamic, 4)
         for (int64_t r = first_row; r < end_row; r++) {
-            if (fast) {
+            if (!ready) {
+                status |= 1;
+            } else if (fast) {
                 attend_row16(&a, r, &w);
-                continue;
+            } else {
+                for (int64_t kvh = 0; kvh < kv_heads; kvh++) attend(&a, r, kvh, &w);
             }
-            for (int64_t kvh = 0; kvh < kv_heads; kvh++) attend(&a, r, kvh, &w);
         }
-        status = 0;
+        free(w.scores);
+        free(w.tile);
+        free(w.acc);
+        free(w.totals);
     }
-    free(w.scores);
-    free(w.tile);
-    free(w.acc);
-    free(w.totals);
     return status;
 }
 

@@ -4,7 +4,8 @@
    Same promise as attention.c: every output element is a fixed sequence of IEEE float operations on
    its own row (the only reduction, RMSNorm's sum of squares, runs in 16 lane partial sums over the
    row then a fixed tree), built without reassociation or contraction, so neither the batch, the row's
-   position, the thread nor the ISA flags can change a bit. `model_bf16` selects the model dtype:
+   position, the thread nor the ISA flags can change a bit. Rows are shared out between torch's OpenMP
+   threads (each row whole on one thread). `model_bf16` selects the model dtype:
    activations are then bf16 in memory, computed in fp32 and rounded to nearest even after the same
    operations torch performs in bf16 (each bf16 op computes in fp32 and rounds once). */
 
@@ -71,6 +72,7 @@ static inline float exp_clamped(float x) {
    (vectorisable) loops; the arithmetic is the same either way. */
 INLINE void add_rms_norm_rows(void *hidden, const void *delta, const void *weight, void *out, int64_t rows,
                               int64_t width, float eps, int model_bf16) {
+#pragma omp parallel for schedule(static) if (rows >= 32)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t base = r * width;
         float lanes[16] = {0};
@@ -113,6 +115,7 @@ void detinf_add_rms_norm(void *hidden, const void *delta, const void *weight, vo
 /* out[r, j] = round(silu(gate[r, j])) * up[r, j] with gate = gate_up[r, :inter], up = gate_up[r, inter:]
    and silu(g) = g / (1 + exp(-g)) in fp32, as ops/activation.py did with torch ops. */
 INLINE void silu_mul_rows(const void *gate_up, void *out, int64_t rows, int64_t inter, int model_bf16) {
+#pragma omp parallel for schedule(static) if (rows >= 32)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t in_base = r * 2 * inter, out_base = r * inter;
         for (int64_t j = 0; j < inter; j++) {
@@ -153,14 +156,15 @@ INLINE int rotary_write_kv_rows(const void *qkv, const int64_t *positions, const
                                 int64_t kv_heads, int64_t dim, int64_t block, int64_t num_blocks, int64_t table_rows,
                                 int model_bf16) {
     const int64_t width = (heads + 2 * kv_heads) * dim;
-    float rotated[1024];
     if (dim > 1024) return 1;
     for (int64_t t = 0; t < tokens; t++) {
         if (positions[t] < 0 || positions[t] >= table_rows || write_blocks[t] < 0 || write_blocks[t] >= num_blocks ||
             write_offsets[t] < 0 || write_offsets[t] >= block)
             return 1;
     }
+#pragma omp parallel for schedule(static) if (tokens >= 32)
     for (int64_t t = 0; t < tokens; t++) {
+        float rotated[1024];
         const float *cos_row = cos_table + positions[t] * dim, *sin_row = sin_table + positions[t] * dim;
         const int64_t row = t * width, blk = write_blocks[t], off = write_offsets[t];
         for (int64_t h = 0; h < heads; h++) {

@@ -34,8 +34,8 @@ SOURCES = (Path(__file__).parent / "csrc" / "attention.c", Path(__file__).parent
 # -fopenmp: rows are shared out between OpenMP threads. torch is imported first and has loaded its own
 # libgomp.so.1, which the kernels' libgomp.so.1 dependency then resolves to: one thread pool, sized by
 # torch.set_num_threads.
-BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-fopenmp")
-BASE_FLAGS += ("-fno-fast-math", "-ffp-contract=off", "-fno-math-errno")
+_FLOAT_FLAGS = ("-fno-fast-math", "-ffp-contract=off", "-fno-math-errno")
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-fopenmp", *_FLOAT_FLAGS)
 ISA_FLAGS = ("-march=native",)
 
 

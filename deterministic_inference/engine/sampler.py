@@ -28,18 +28,8 @@ Logprobs are "raw": log_softmax of the model's fp32 logits row, BEFORE penalties
 filters (vLLM's "raw_logprobs"). Decode logprobs therefore equal, bitwise, the prompt logprobs of the same
 sequence scored in one prefill (`prompt_logprobs` uses the same row function): the RL contract.
 
-Batched greedy path. Rows that are plain greedy (temperature 0, no penalty that changes a logit) need only
-argmax + raw logprobs + the k best logprobs, and `sample` computes those for all such rows at once:
-  - one `torch.log_softmax(block, dim=1)`: torch's last-dim kernel runs each row's max / exp-sum / log
-    sequentially over that row only (rows are split across threads, never a row), so every row is bitwise
-    `_row_logprobs` of that row; tests/engine/test_sampler_batched.py checks this bit for bit for several
-    vocab sizes, 1..64 rows and 1 and 2 threads;
-  - argmax and top-k as a two-level search over blocks of `_BLOCK` columns: block maxima (`amax`, exact
-    whatever its reduction order), then the exact answer inside the few blocks that can hold it. Ties go to
-    the lowest id by construction (torch.argmax returns the first maximal index; top-k orders unique
-    integer keys built from (value, id)), so no result depends on the reduction order or the thread count.
-A row whose exactness condition fails (NaN logits or logprobs, or a tie between block maxima at the top-k
-boundary) falls back to the per-row path (`_sample_row`), which stays the reference for every row.
+Plain greedy rows take a batched path (`greedy_batch`) that gives every row the same bits as
+`_sample_row`; rows it cannot prove exact fall back to `_sample_row`.
 """
 
 from __future__ import annotations
@@ -50,6 +40,7 @@ from typing import TypeVar
 
 import torch
 
+from deterministic_inference.engine.greedy_batch import RowResult, greedy_rows, plain_greedy
 from deterministic_inference.engine.sampling_params import SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -58,10 +49,6 @@ _SQRT2 = math.sqrt(2.0)
 # Gumbel noise lies in [-log(-log(2**-33)), -log(-log(1 - 2**-33))] = [-3.13, 22.87]: a token whose value
 # is more than this span below the best value can never win, so its noise need not be computed.
 _NOISE_SPAN = 27.0
-# Columns per block of the batched greedy path's two-level argmax / top-k search (any value >= 1 gives the
-# same results; 128 keeps both the block maxima [R, V / 128] and the candidate blocks small).
-_BLOCK = 128
-_LOW32 = (1 << 32) - 1
 
 _Int = TypeVar("_Int", int, torch.Tensor)  # the hash runs on Python ints (one row) or int64 tensors
 
@@ -253,121 +240,14 @@ def _gumbel_argmax(ids: torch.Tensor, values: torch.Tensor, seed: int, position:
     return int(ids[scores == scores.max()].min())
 
 
-# (token id, raw logprob of the token, k best (id, logprob)) of one row
-_RowResult = tuple[int, float, list[tuple[int, float]]]
-
-
 def _sample_row(
     row: torch.Tensor, params: SamplingParams, seed: int, position: int, past: list[int], output: list[int]
-) -> _RowResult:
+) -> RowResult:
     """The per-row path (any params): the reference every other path of a row must match bit for bit."""
     raw = row.to(torch.float32).clone()
     logprobs = _row_logprobs(raw)
     token = _pick(raw, params, seed, position, past, output)
     return token, float(logprobs[token]), _top_pairs(logprobs, params.logprobs or 0)
-
-
-# -- batched greedy path -------------------------------------------------------------------------------
-
-
-def _plain_greedy(params: SamplingParams, past: list[int], output: list[int]) -> bool:
-    """True when the row's token is the lowest-id argmax of its raw logits: temperature 0 and
-    `_apply_penalties` would return the logits unchanged (same conditions as there)."""
-    repetition = params.repetition_penalty != 1.0 and bool(past)
-    additive = (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0) and bool(output)
-    return params.greedy and not repetition and not additive
-
-
-def _block_maxima(values: torch.Tensor) -> torch.Tensor:
-    """Row maxima of consecutive column blocks of `_BLOCK` (the last one may be shorter): [R, V] ->
-    [R, ceil(V / _BLOCK)]. A maximum is exact whatever order amax reduces in (only the sign of a zero
-    maximum may vary, and -0.0 == +0.0 in every comparison made with it); NaN propagates."""
-    vocab = values.shape[1]
-    full = vocab // _BLOCK * _BLOCK
-    parts = []
-    if full:
-        parts.append(values[:, :full].unflatten(1, (full // _BLOCK, _BLOCK)).amax(dim=2))
-    if full < vocab:
-        parts.append(values[:, full:].amax(dim=1, keepdim=True))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-
-
-def _block_columns(blocks: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Column ids of the given blocks [R, C] as [R, C * _BLOCK], block by block, and which of them are
-    real (< vocab; columns past the short last block are clamped to vocab - 1 so they can be gathered)."""
-    columns = (blocks[:, :, None] * _BLOCK + torch.arange(_BLOCK)).flatten(1)  # [R, C * _BLOCK]
-    return columns.clamp(max=vocab - 1), columns < vocab
-
-
-def _argmax_rows(values: torch.Tensor, maxima: torch.Tensor) -> torch.Tensor:
-    """Per row of `values` [R, V] with block maxima `maxima` (`_block_maxima(values)`), the lowest index of
-    the maximum: [R] int64 (meaningless for a row with NaN). Exact: the first block whose maximum equals
-    the row maximum holds the first maximal column, and torch.argmax returns the first maximal index both
-    among the block maxima and inside that block (clamped duplicates of the last column come after it, so
-    they never win over an earlier equal one)."""
-    first_block = torch.argmax(maxima, dim=1, keepdim=True)  # [R, 1]
-    columns, _ = _block_columns(first_block, values.shape[1])  # [R, _BLOCK]
-    inside = torch.argmax(values.gather(1, columns), dim=1, keepdim=True)  # [R, 1]
-    return columns.gather(1, inside).squeeze(1)
-
-
-def _order_keys(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordered like (value descending, column ascending) for NaN-free fp32 values: the float
-    bits mapped to a monotone int32 (-0.0 and +0.0 to the same key, as they compare equal) in the high
-    half, 2**32 - 1 - column in the low half. Keys of distinct columns are distinct, so any top-k of them
-    has exactly one order."""
-    bits = values.contiguous().view(torch.int32).to(torch.int64)
-    monotone = torch.where(bits < 0, (bits ^ 0x7FFFFFFF) + 1, bits)  # in [-2**31 + 1, 2**31 - 1]
-    return monotone * (1 << 32) + (_LOW32 - columns)
-
-
-def _best_rows(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k best columns per row by (-value, id) of `logprobs` [R, V], ordered: (ids [R, k] int64, exact
-    [R] bool). Row r's ids equal `_best(logprobs[r], k)` wherever exact[r]:
-
-    the kb = min(k, blocks) blocks with the largest maxima hold at least kb elements >= the kb-th block
-    maximum m, so the k-th best value is >= m and every element that can be among the k best (ties at the
-    k-th value included) sits in a block whose maximum is >= m. When exactly kb blocks reach m (no other
-    block ties it) and the row has no NaN, those blocks hold all of them, and a top-k of the unique
-    (value, id) keys over their columns is the exact answer; otherwise exact[r] is False."""
-    vocab = logprobs.shape[1]
-    k = min(k, vocab)
-    maxima = _block_maxima(logprobs)  # [R, blocks]
-    top_blocks = torch.topk(maxima, min(k, maxima.shape[1]), dim=1)  # [R, kb]
-    reach = (maxima >= top_blocks.values[:, -1:]).sum(dim=1)  # [R]; NaN compares False
-    exact = (reach == top_blocks.values.shape[1]) & ~torch.isnan(maxima).any(dim=1)
-    columns, real = _block_columns(top_blocks.indices, vocab)  # [R, kb * _BLOCK]
-    keys = _order_keys(logprobs.gather(1, columns), columns)
-    keys = keys.masked_fill(~real, torch.iinfo(torch.int64).min)  # clamped duplicates never rank
-    best = torch.topk(keys, k, dim=1).values  # [R, k], distinct keys, descending
-    return _LOW32 - (best & _LOW32), exact
-
-
-def _greedy_rows(block: torch.Tensor, ks: list[int]) -> list[_RowResult | None]:
-    """Plain greedy rows `block` [R, V] fp32 with top-logprob counts ks: each row's (token, logprob, k
-    best), bitwise what `_sample_row` gives it, or None where the batched search is not exact (the caller
-    then uses `_sample_row`). Every op below works on each row alone (see the module docstring)."""
-    logprobs = torch.log_softmax(block, dim=1)  # [R, V], row r bitwise _row_logprobs(block[r])
-    maxima = _block_maxima(block)  # [R, blocks]
-    usable = ~torch.isnan(maxima).any(dim=1)  # [R]; NaN logits: the per-row path decides
-    tokens = _argmax_rows(block, maxima)  # [R]
-    token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)  # [R]
-    k = max(ks)
-    tops: list[list[tuple[int, float]]] = [[] for _ in ks]
-    if k > 0:
-        ids, exact = _best_rows(logprobs, k)  # [R, k], [R]
-        usable &= exact | torch.tensor([row_k == 0 for row_k in ks])
-        id_lists, value_lists = ids.tolist(), logprobs.gather(1, ids).tolist()
-        tops = [
-            list(zip(i[:row_k], v[:row_k], strict=True))
-            for i, v, row_k in zip(id_lists, value_lists, ks, strict=True)
-        ]
-    return [
-        (token, value, top) if ok else None
-        for token, value, top, ok in zip(
-            tokens.tolist(), token_logprobs.tolist(), tops, usable.tolist(), strict=True
-        )
-    ]
 
 
 def _check_batch(logits: torch.Tensor, lengths: dict[str, int]) -> None:
@@ -406,11 +286,11 @@ def sample(
             "output_tokens": len(output_tokens),
         },
     )
-    rows: list[_RowResult | None] = [None] * logits.shape[0]
-    greedy = [r for r in range(logits.shape[0]) if _plain_greedy(params[r], past_tokens[r], output_tokens[r])]
+    rows: list[RowResult | None] = [None] * logits.shape[0]
+    greedy = [r for r in range(logits.shape[0]) if plain_greedy(params[r], past_tokens[r], output_tokens[r])]
     if greedy:
         block = logits if len(greedy) == logits.shape[0] else logits[torch.tensor(greedy)]
-        batched = _greedy_rows(block.to(torch.float32), [params[r].logprobs or 0 for r in greedy])
+        batched = greedy_rows(block.to(torch.float32), [params[r].logprobs or 0 for r in greedy])
         for r, row in zip(greedy, batched, strict=True):
             rows[r] = row
     result = SampleResult(token_ids=[], logprobs=[], top_logprobs=[])

@@ -30,7 +30,9 @@ import torch
 
 from deterministic_inference.errors import DetinfError
 
-SOURCES = (Path(__file__).parent / "csrc" / "attention.c", Path(__file__).parent / "csrc" / "rowwise.c")
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = (_CSRC / "attention.c", _CSRC / "rowwise.c")  # compiled together into one library
+HEADERS = (_CSRC / "common.h",)  # included by the sources; part of the digest
 # -fopenmp: rows are shared out between OpenMP threads. torch is imported first and has loaded its own
 # libgomp.so.1, which the kernels' libgomp.so.1 dependency then resolves to: one thread pool, sized by
 # torch.set_num_threads.
@@ -206,7 +208,7 @@ def source_digest() -> str:
 
 
 def _source_bytes() -> bytes:
-    return b"\0".join(path.read_bytes() for path in SOURCES)
+    return b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
 
 
 def _check_activations(tensors: tuple[torch.Tensor, ...], dtype: torch.dtype) -> None:
@@ -256,7 +258,7 @@ def build(isa_flags: tuple[str, ...] = ISA_FLAGS, directory: Path | None = None)
     with tempfile.TemporaryDirectory(dir=target_dir) as work:
         partial = Path(work) / target.name
         result = subprocess.run(
-            [cc, *flags, *map(str, SOURCES), "-o", str(partial), "-lm"],
+            [cc, *flags, f"-I{_CSRC}", *map(str, SOURCES), "-o", str(partial), "-lm"],
             capture_output=True,
             text=True,
             check=False,

@@ -9,7 +9,6 @@ from typing import Any
 import yaml
 
 from deterministic_inference import fingerprint
-from deterministic_inference.config import EngineConfig
 from deterministic_inference.errors import WorkflowError
 from deterministic_inference.workflow import artifacts, closure
 from deterministic_inference.workflow.dataset import REFERENCE_DATASET, REFERENCE_DATASET_DIGEST, load_dataset
@@ -18,6 +17,7 @@ from deterministic_inference.workflow.manifest import (
     MANIFEST_KIND,
     UNSET_DIGEST,
     Manifest,
+    defaults,
     load_manifest,
     read_document,
 )
@@ -55,14 +55,7 @@ def init_manifest(model: Path | None, n_prompts: int, max_tokens: int) -> dict[s
             "description": f"Greedy decoding of {n_prompts} reference prompts on {name}.",
         },
         "model": {"source": source, "files": files},
-        "engine": {
-            "dtype": "auto",
-            "batch_invariant": True,
-            "linear_tile_rows": EngineConfig.linear_tile_rows,
-            "kv_block_size": 16,
-            "seed": 0,
-            "selfcheck": True,
-        },
+        "engine": {key: value for key, value in defaults()["engine"].items() if value is not None},
         "inference": {
             "dataset": {"source": REFERENCE_DATASET, "digest": REFERENCE_DATASET_DIGEST},
             "n_prompts": n_prompts,

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from deterministic_inference.engine import sampler
+from deterministic_inference.engine import greedy_batch, sampler
 from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.ops.selfcheck import torch_threads
 
@@ -107,7 +107,7 @@ def test_order_keys_order_like_value_descending_then_id() -> None:
     """Including -0.0 == +0.0 (ordered by id), denormals, infinities and equal values."""
     values = [0.0, -0.0, 1e-45, -1e-45, -INF, INF, 1.0, 1.0, -1.0, -2.5, 3e38, -3e38, -0.0, 0.0]
     columns = torch.tensor([7, 2, 40, 41, 0, 99, 12, 5, 1, 3, 8, 9, 6, 4])
-    keys = sampler._order_keys(torch.tensor(values), columns)
+    keys = greedy_batch.order_keys(torch.tensor(values), columns)
     by_key = columns[torch.argsort(keys, descending=True)].tolist()
     expected = [
         c for _, c in sorted(zip(values, columns.tolist(), strict=True), key=lambda vc: (-vc[0], vc[1]))
@@ -123,7 +123,7 @@ def tie_rows(vocab: int) -> tuple[torch.Tensor, list[int]]:
     """Rows built to stress the tie rules, and each row's expected token (lowest id of the maximum)."""
     gen = torch.Generator().manual_seed(vocab + 1)
     base = torch.randn(12, vocab, generator=gen)
-    block = sampler._BLOCK
+    block = greedy_batch.BLOCK
     last = vocab - 1
     rows, tokens = [], []
 
@@ -188,7 +188,7 @@ def test_batched_search_declines_only_rows_it_cannot_decide_exactly() -> None:
     """Rows take the batched result unless it may be inexact: a NaN row, or more blocks than the top-k
     search takes (min(max k of the batch, blocks)) reaching its smallest block maximum. Those rows are left
     to the per-row path (None); the other rows of the batch keep the per-row bits."""
-    vocab, block = 1000, sampler._BLOCK
+    vocab, block = 1000, greedy_batch.BLOCK
     logits = random_logits(5, vocab, seed=11)
     logits[1, 17] = float("nan")
     logits[2, [3, block + 3]] = 1000.0  # 2 blocks share the largest maximum
@@ -200,13 +200,13 @@ def test_batched_search_declines_only_rows_it_cannot_decide_exactly() -> None:
         (2, [False, True, False, True, True]),
         (3, [False, True, False, False, True]),
     ):
-        got = sampler._greedy_rows(logits, [k] * 5)
+        got = greedy_batch.greedy_rows(logits, [k] * 5)
         assert [row is None for row in got] == declined
         for r, row in enumerate(got):
             if row is not None:
                 assert row_bits(row) == row_bits(sampler._sample_row(logits[r], greedy(k), 0, 0, [], []))
     # A smaller k elsewhere in the batch is covered by the batch's largest k: row 3 with k = 1 is exact.
-    assert sampler._greedy_rows(logits[[0, 3]], [3, 1])[1] is not None
+    assert greedy_batch.greedy_rows(logits[[0, 3]], [3, 1])[1] is not None
     with pytest.raises(IndexError):  # NaN logits: the per-row path's behaviour, unchanged
         sample_plain(logits, [greedy(0)] * 5)
 
@@ -225,7 +225,7 @@ def test_mixed_batches_route_each_row_and_keep_its_bits() -> None:
         SamplingParams(top_p=0.9),
         greedy(1),
     ]
-    assert [sampler._plain_greedy(p, [1, 2], [2]) for p in params] == [
+    assert [greedy_batch.plain_greedy(p, [1, 2], [2]) for p in params] == [
         True, False, True, False, False, True, False, True,
     ]  # fmt: skip
     batched = result_rows(sample_plain(logits, params))

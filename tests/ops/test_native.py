@@ -117,18 +117,6 @@ def reference_attention(case: Case) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One build directory for the module's kernels."""
-    return tmp_path_factory.mktemp("native-builds")
-
-
-@pytest.fixture(scope="module")
-def kernels(build_dir: Path) -> NativeKernels:
-    """The default build (ISA_FLAGS, i.e. -march=native)."""
-    return load(build(ISA_FLAGS, build_dir))
-
-
-@pytest.fixture(scope="module")
 def other_builds(build_dir: Path) -> dict[str, NativeKernels]:
     """The kernel built for older x86-64 ISA levels."""
     return {name: load(build(flags, build_dir)) for name, flags in OTHER_ISAS.items()}
@@ -360,7 +348,7 @@ def test_library_name_depends_on_flags_and_source(
     assert other != kernels.path and other.exists()
     assert kernels.digest == kernels.path.stem.removeprefix("attention-")
     source_digest = native.source_digest()
-    joined = b"\0".join(path.read_bytes() for path in native.SOURCES)
+    joined = b"\0".join(path.read_bytes() for path in (*native.SOURCES, *native.HEADERS))
     assert source_digest == hashlib.sha256(joined).hexdigest()[:16]
     changed = tmp_path / "attention.c"
     changed.write_bytes(native.SOURCES[0].read_bytes() + b"\n/* changed */\n")

@@ -75,18 +75,6 @@ Outputs = tuple[torch.Tensor, ...]
 
 
 @pytest.fixture(scope="module")
-def build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One build directory for the module's kernels."""
-    return tmp_path_factory.mktemp("native-rowwise-builds")
-
-
-@pytest.fixture(scope="module")
-def kernels(build_dir: Path) -> NativeKernels:
-    """The default build (ISA_FLAGS, i.e. -march=native)."""
-    return load(build(ISA_FLAGS, build_dir))
-
-
-@pytest.fixture(scope="module")
 def baseline(build_dir: Path) -> NativeKernels:
     """The build for the x86-64 baseline (SSE2 only)."""
     return load(build(("-march=x86-64",), build_dir))

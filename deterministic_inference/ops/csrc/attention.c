@@ -18,52 +18,10 @@
    fmaf on a CPU without FMA). So a vectorised loop body and its scalar tail round identically, and
    the ISA flags change speed, not bits. */
 
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "common.h"
 
-#define LANES 16
-
-static inline float lane_tree(float *lanes) {
-    for (int width = LANES / 2; width >= 1; width /= 2) {
-        for (int l = 0; l < width; l++) lanes[l] = lanes[l] + lanes[l + width];
-    }
-    return lanes[0];
-}
-
-static inline float lane_sum(const float *x, int64_t n) {
-    float lanes[LANES] = {0};
-    int64_t base = 0;
-    for (; base + LANES <= n; base += LANES) {
-        for (int l = 0; l < LANES; l++) lanes[l] = lanes[l] + x[base + l];
-    }
-    for (int l = 0; base + l < n; l++) lanes[l] = lanes[l] + x[base + l];
-    return lane_tree(lanes);
-}
-
-/* exp(x) for x in [-87, 0]: x = n ln2 + r, |r| <= ln2/2, exp(r) by Horner, times 2^n from the bits.
-   Relative error about 1e-7. */
-static inline float exp_nonpositive(float x) {
-    const float log2e = 1.44269504088896341f;
-    const float round_magic = 12582912.0f; /* 1.5 * 2^23: adding and subtracting rounds to an integer */
-    const float ln2_hi = 0.693145751953125f;
-    const float ln2_lo = 1.428606765330187045e-06f;
-    float n = (x * log2e + round_magic) - round_magic;
-    float r = (x - n * ln2_hi) - n * ln2_lo;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+/* exp(x) for x in [-87, 0] (the softmax numerators). */
+static inline float exp_nonpositive(float x) { return exp_in_range(x); }
 
 static inline void load_bf16(const uint16_t *src, float *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
@@ -117,8 +75,6 @@ static inline f32x16 load16(const void *base, int64_t index, int bf16) {
     }
     return value;
 }
-
-#define INLINE static inline __attribute__((always_inline))
 
 /* block_scores for 16-key blocks straight from the cache, for n (1..4) query rows at once: the rows
    share each loaded key vector but keep their own lanes, so each row's arithmetic is unchanged. Called

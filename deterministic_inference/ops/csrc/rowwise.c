@@ -9,25 +9,7 @@
    activations are then bf16 in memory, computed in fp32 and rounded to nearest even after the same
    operations torch performs in bf16 (each bf16 op computes in fp32 and rounds once). */
 
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-/* Round to nearest even, NaN -> quiet NaN 0x7FC0: the same rule as torch's BFloat16. */
-static inline uint16_t f32_to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
+#include "common.h"
 
 /* Read element i of an activation tensor as fp32 / round a value the way the model dtype stores it. */
 static inline float load_act(const void *base, int64_t i, int bf16) {
@@ -41,39 +23,17 @@ static inline void store_act(void *base, int64_t i, float value, int bf16) {
     else ((float *)base)[i] = value;
 }
 
-/* exp(x) for any float x: clamped to [-87, 88] (where exp stays a normal float), range reduction and
-   a degree-7 polynomial, as exp_nonpositive in attention.c. */
-static inline float exp_clamped(float x) {
-    const float log2e = 1.44269504088896341f, round_magic = 12582912.0f;
-    const float ln2_hi = 0.693145751953125f, ln2_lo = 1.428606765330187045e-06f;
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float n = (x * log2e + round_magic) - round_magic;
-    float r = (x - n * ln2_hi) - n * ln2_lo;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+/* exp(x) for any float x, clamped to [-87, 88] where exp stays a normal float. */
+static inline float exp_clamped(float x) { return exp_in_range(x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x)); }
 
 /* hidden[r] (+)= delta[r] (when delta is given), then out[r] = weight * round(hidden[r] * rsqrt(mean(
    hidden[r]^2) + eps)): HF Llama's RMSNorm on the residual stream. hidden, delta, out, weight in the
    model dtype; hidden is updated in place. Rows [0, rows) of width `width`. */
-#define INLINE static inline __attribute__((always_inline))
-
 /* The exported functions call these with a literal model_bf16, so each dtype gets its own branch-free
    (vectorisable) loops; the arithmetic is the same either way. */
-INLINE void add_rms_norm_rows(void *hidden, const void *delta, const void *weight, void *out, int64_t rows,
-                              int64_t width, float eps, int model_bf16) {
-#pragma omp parallel for schedule(static) if (rows >= 32)
-    for (int64_t r = 0; r < rows; r++) {
+INLINE void add_rms_norm_row(void *hidden, const void *delta, const void *weight, void *out, int64_t r,
+                             int64_t width, float eps, int model_bf16) {
+    {
         const int64_t base = r * width;
         float lanes[16] = {0};
         int64_t i = 0;
@@ -108,15 +68,17 @@ INLINE void add_rms_norm_rows(void *hidden, const void *delta, const void *weigh
 
 void detinf_add_rms_norm(void *hidden, const void *delta, const void *weight, void *out, int64_t rows,
                          int64_t width, float eps, int model_bf16) {
-    if (model_bf16) add_rms_norm_rows(hidden, delta, weight, out, rows, width, eps, 1);
-    else add_rms_norm_rows(hidden, delta, weight, out, rows, width, eps, 0);
+#pragma omp parallel for schedule(static) if (rows >= 32)
+    for (int64_t r = 0; r < rows; r++) {
+        if (model_bf16) add_rms_norm_row(hidden, delta, weight, out, r, width, eps, 1);
+        else add_rms_norm_row(hidden, delta, weight, out, r, width, eps, 0);
+    }
 }
 
 /* out[r, j] = round(silu(gate[r, j])) * up[r, j] with gate = gate_up[r, :inter], up = gate_up[r, inter:]
    and silu(g) = g / (1 + exp(-g)) in fp32, as ops/activation.py did with torch ops. */
-INLINE void silu_mul_rows(const void *gate_up, void *out, int64_t rows, int64_t inter, int model_bf16) {
-#pragma omp parallel for schedule(static) if (rows >= 32)
-    for (int64_t r = 0; r < rows; r++) {
+INLINE void silu_mul_row(const void *gate_up, void *out, int64_t r, int64_t inter, int model_bf16) {
+    {
         const int64_t in_base = r * 2 * inter, out_base = r * inter;
         for (int64_t j = 0; j < inter; j++) {
             const float gate = load_act(gate_up, in_base + j, model_bf16);
@@ -127,8 +89,11 @@ INLINE void silu_mul_rows(const void *gate_up, void *out, int64_t rows, int64_t 
 }
 
 void detinf_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int model_bf16) {
-    if (model_bf16) silu_mul_rows(gate_up, out, rows, inter, 1);
-    else silu_mul_rows(gate_up, out, rows, inter, 0);
+#pragma omp parallel for schedule(static) if (rows >= 32)
+    for (int64_t r = 0; r < rows; r++) {
+        if (model_bf16) silu_mul_row(gate_up, out, r, inter, 1);
+        else silu_mul_row(gate_up, out, r, inter, 0);
+    }
 }
 
 /* One head's rotation (rotate-half layout): out[d] = round(round(x[d] * c[d]) + round(rot[d] * s[d]))
@@ -146,16 +111,39 @@ INLINE void rotate(const void *x, int64_t offset, const float *cos_row, const fl
     }
 }
 
+/* One token: q rotated into q_out, k rotated and v written to the caches. */
+INLINE void rotary_write_kv_token(const void *qkv, const int64_t *positions, const float *cos_table,
+                                  const float *sin_table, const int64_t *write_blocks, const int64_t *write_offsets,
+                                  float *q_out, void *k_cache, void *v_cache, int64_t t, int64_t heads,
+                                  int64_t kv_heads, int64_t dim, int64_t block, int model_bf16) {
+    const int64_t width = (heads + 2 * kv_heads) * dim;
+    float rotated[1024];
+    const float *cos_row = cos_table + positions[t] * dim, *sin_row = sin_table + positions[t] * dim;
+    const int64_t row = t * width, blk = write_blocks[t], off = write_offsets[t];
+    for (int64_t h = 0; h < heads; h++) {
+        rotate(qkv, row + h * dim, cos_row, sin_row, dim, model_bf16, q_out + (t * heads + h) * dim);
+    }
+    for (int64_t h = 0; h < kv_heads; h++) {
+        rotate(qkv, row + (heads + h) * dim, cos_row, sin_row, dim, model_bf16, rotated);
+        const int64_t k_base = ((blk * kv_heads + h) * dim) * block + off;
+        const int64_t v_base = ((blk * kv_heads + h) * block + off) * dim;
+        for (int64_t d = 0; d < dim; d++) {
+            store_act(k_cache, k_base + d * block, rotated[d], model_bf16);
+            store_act(v_cache, v_base + d, load_act(qkv, row + (heads + kv_heads + h) * dim + d, model_bf16),
+                      model_bf16);
+        }
+    }
+}
+
 /* From the fused projection qkv [T, (H + 2 KVH) * D] (model dtype): q rotated -> q_out [T, H, D] fp32
    (exact copies of model-dtype values); k rotated and v written to the caches at (block, offset) of
    each token: k_cache [blocks, KVH, D, block] (transposed), v_cache [blocks, KVH, block, D].
    Returns 0, or 1 without writing anything when a position, block or offset is out of range. */
-INLINE int rotary_write_kv_rows(const void *qkv, const int64_t *positions, const float *cos_table,
-                                const float *sin_table, const int64_t *write_blocks, const int64_t *write_offsets,
-                                float *q_out, void *k_cache, void *v_cache, int64_t tokens, int64_t heads,
-                                int64_t kv_heads, int64_t dim, int64_t block, int64_t num_blocks, int64_t table_rows,
-                                int model_bf16) {
-    const int64_t width = (heads + 2 * kv_heads) * dim;
+int detinf_rotary_write_kv(const void *qkv, const int64_t *positions, const float *cos_table,
+                           const float *sin_table, const int64_t *write_blocks, const int64_t *write_offsets,
+                           float *q_out, void *k_cache, void *v_cache, int64_t tokens, int64_t heads,
+                           int64_t kv_heads, int64_t dim, int64_t block, int64_t num_blocks, int64_t table_rows,
+                           int model_bf16) {
     if (dim > 1024) return 1;
     for (int64_t t = 0; t < tokens; t++) {
         if (positions[t] < 0 || positions[t] >= table_rows || write_blocks[t] < 0 || write_blocks[t] >= num_blocks ||
@@ -164,34 +152,12 @@ INLINE int rotary_write_kv_rows(const void *qkv, const int64_t *positions, const
     }
 #pragma omp parallel for schedule(static) if (tokens >= 32)
     for (int64_t t = 0; t < tokens; t++) {
-        float rotated[1024];
-        const float *cos_row = cos_table + positions[t] * dim, *sin_row = sin_table + positions[t] * dim;
-        const int64_t row = t * width, blk = write_blocks[t], off = write_offsets[t];
-        for (int64_t h = 0; h < heads; h++) {
-            rotate(qkv, row + h * dim, cos_row, sin_row, dim, model_bf16, q_out + (t * heads + h) * dim);
-        }
-        for (int64_t h = 0; h < kv_heads; h++) {
-            rotate(qkv, row + (heads + h) * dim, cos_row, sin_row, dim, model_bf16, rotated);
-            const int64_t k_base = ((blk * kv_heads + h) * dim) * block + off;
-            const int64_t v_base = ((blk * kv_heads + h) * block + off) * dim;
-            for (int64_t d = 0; d < dim; d++) {
-                store_act(k_cache, k_base + d * block, rotated[d], model_bf16);
-                store_act(v_cache, v_base + d, load_act(qkv, row + (heads + kv_heads + h) * dim + d, model_bf16),
-                          model_bf16);
-            }
-        }
+        if (model_bf16)
+            rotary_write_kv_token(qkv, positions, cos_table, sin_table, write_blocks, write_offsets, q_out, k_cache,
+                                  v_cache, t, heads, kv_heads, dim, block, 1);
+        else
+            rotary_write_kv_token(qkv, positions, cos_table, sin_table, write_blocks, write_offsets, q_out, k_cache,
+                                  v_cache, t, heads, kv_heads, dim, block, 0);
     }
     return 0;
-}
-
-int detinf_rotary_write_kv(const void *qkv, const int64_t *positions, const float *cos_table,
-                           const float *sin_table, const int64_t *write_blocks, const int64_t *write_offsets,
-                           float *q_out, void *k_cache, void *v_cache, int64_t tokens, int64_t heads,
-                           int64_t kv_heads, int64_t dim, int64_t block, int64_t num_blocks, int64_t table_rows,
-                           int model_bf16) {
-    if (model_bf16)
-        return rotary_write_kv_rows(qkv, positions, cos_table, sin_table, write_blocks, write_offsets, q_out, k_cache,
-                                    v_cache, tokens, heads, kv_heads, dim, block, num_blocks, table_rows, 1);
-    return rotary_write_kv_rows(qkv, positions, cos_table, sin_table, write_blocks, write_offsets, q_out, k_cache,
-                                v_cache, tokens, heads, kv_heads, dim, block, num_blocks, table_rows, 0);
 }

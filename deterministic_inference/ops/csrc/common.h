@@ -1,0 +1,74 @@
+/* Helpers shared by the kernels of deterministic-inference (attention.c, rowwise.c): bf16 conversions,
+   the fixed-order lane sum and the polynomial exp. Every function is a fixed sequence of IEEE float
+   operations, so its bits depend on this source alone (see attention.c for the build flags). */
+
+#ifndef DETINF_COMMON_H
+#define DETINF_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+#define LANES 16
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* Round to nearest even, NaN -> quiet NaN 0x7FC0: the same rule as torch's BFloat16. */
+static inline uint16_t f32_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* lanes[0] + ... + lanes[15] by a fixed tree: (0+8, 1+9, ...), then (0+4, ...), (0+2, ...), (0+1). */
+static inline float lane_tree(float *lanes) {
+    for (int width = LANES / 2; width >= 1; width /= 2) {
+        for (int l = 0; l < width; l++) lanes[l] = lanes[l] + lanes[l + width];
+    }
+    return lanes[0];
+}
+
+/* x[0] + ... + x[n-1]: element i goes to lane i % 16 (ascending), then lane_tree. */
+static inline float lane_sum(const float *x, int64_t n) {
+    float lanes[LANES] = {0};
+    int64_t base = 0;
+    for (; base + LANES <= n; base += LANES) {
+        for (int l = 0; l < LANES; l++) lanes[l] = lanes[l] + x[base + l];
+    }
+    for (int l = 0; base + l < n; l++) lanes[l] = lanes[l] + x[base + l];
+    return lane_tree(lanes);
+}
+
+/* exp(x) for x in [-87, 88] (callers clamp): x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-7
+   Horner polynomial, times 2^n built from the exponent bits. Relative error about 1e-7. */
+static inline float exp_in_range(float x) {
+    const float log2e = 1.44269504088896341f;
+    const float round_magic = 12582912.0f; /* 1.5 * 2^23: adding and subtracting rounds to an integer */
+    const float ln2_hi = 0.693145751953125f;
+    const float ln2_lo = 1.428606765330187045e-06f;
+    float n = (x * log2e + round_magic) - round_magic;
+    float r = (x - n * ln2_hi) - n * ln2_lo;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+#endif

@@ -181,20 +181,43 @@ def _apply_penalties(
     return logits
 
 
+def _top_p_prefix(
+    ids: torch.Tensor, values: torch.Tensor, probs: torch.Tensor, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shortest prefix of (ids, values), sorted by (-value, id), whose probabilities `probs` add up
+    to top_p (cumulative sums in that order; the first entry is always kept)."""
+    cumulative = torch.cumsum(probs, dim=0)
+    keep = torch.ones_like(cumulative, dtype=torch.bool)
+    keep[1:] = cumulative[:-1] < top_p
+    return ids[keep], values[keep]
+
+
+def _top_p_of_vocab(scaled: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p over a whole row without sorting it: softmax of the row in token order, then the best k
+    tokens by (-value, id) for k = 256, 1024, ... until their probabilities reach top_p. Each step is a
+    function of the row alone (softmax over the whole row, exact top-k order), so the survivors are too;
+    the prefix found is the one a full sort would give, summed in the same sorted order."""
+    probs = torch.softmax(scaled, dim=0)  # [V], token order
+    vocab, k = scaled.numel(), min(256, scaled.numel())
+    while True:
+        ids, values = _best(scaled, k)
+        chosen = probs[ids]
+        if k == vocab or float(torch.cumsum(chosen, dim=0)[-1]) >= top_p:
+            return _top_p_prefix(ids, values, chosen, top_p)
+        k = min(vocab, 4 * k)
+
+
 def _filter(scaled: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Survivors of top-k, top-p, min-p as (ids, values); ties broken by token id."""
     vocab = scaled.numel()
     if 0 < params.top_k < vocab:
         ids, values = _best(scaled, params.top_k)
+        if params.top_p < 1.0:  # values are sorted by (-value, id) here
+            ids, values = _top_p_prefix(ids, values, torch.softmax(values, dim=0), params.top_p)
     elif params.top_p < 1.0:
-        values, ids = torch.sort(scaled, descending=True, stable=True)
+        ids, values = _top_p_of_vocab(scaled, params.top_p)
     else:
         ids, values = torch.arange(vocab, dtype=torch.int64), scaled
-    if params.top_p < 1.0:  # values are sorted by (-value, id) here
-        cumulative = torch.cumsum(torch.softmax(values, dim=0), dim=0)
-        keep = torch.ones_like(cumulative, dtype=torch.bool)
-        keep[1:] = cumulative[:-1] < params.top_p
-        ids, values = ids[keep], values[keep]
     if params.min_p > 0.0:
         probs = torch.softmax(values, dim=0)
         keep = probs >= probs.max() * params.min_p

@@ -12,4 +12,6 @@ Ops that differ from plain torch take `batch_invariant`; False switches to the p
 # 3 = row-at-a-time compiled attention kernel (ops/csrc/attention.c), K cache transposed per block.
 # 4 = RMSNorm (fused with the residual add), silu_mul and rotary + KV write compiled (ops/csrc/rowwise.c).
 # 5 = attention dot products and value sums as explicit fused multiply-adds (fmaf).
-OPS_REVISION = 5
+# 6 = top-p without a full sort: probabilities are the softmax of the whole row in token order, summed
+#     over the best tokens in (-value, id) order (was: softmax of the sorted row).
+OPS_REVISION = 6

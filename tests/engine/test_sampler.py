@@ -221,6 +221,23 @@ def test_top_p_keeps_the_shortest_prefix_reaching_the_mass() -> None:
     assert ids.tolist() == [1]  # the top token always survives
 
 
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.99, 0.999999])
+def test_top_p_without_a_full_sort_equals_the_sorted_prefix(top_p: float) -> None:
+    """The growing top-k search keeps exactly the prefix a full stable sort gives (same ids and value
+    bits), with probabilities from one softmax of the whole row, summed in sorted order. Rows are wide
+    enough (flat and peaked, with ties) that the search must grow past its first 256 tokens."""
+    generator = torch.Generator().manual_seed(5)
+    for scale in (0.1, 1.0, 8.0):
+        row = (torch.randn(49152, generator=generator) * scale).round(decimals=2)  # ties included
+        ids, values = sampler._filter(row, SamplingParams(top_p=top_p))
+        order = torch.sort(row, descending=True, stable=True).indices
+        cumulative = torch.cumsum(torch.softmax(row, dim=0)[order], dim=0)
+        keep = torch.ones_like(cumulative, dtype=torch.bool)
+        keep[1:] = cumulative[:-1] < top_p
+        assert ids.tolist() == order[keep].tolist()
+        assert torch.equal(values.view(torch.int32), row[order[keep]].view(torch.int32))
+
+
 def test_min_p_keeps_tokens_above_a_fraction_of_the_best() -> None:
     logits = torch.tensor([0.5, 0.3, 0.2]).log().tolist()
     assert set(draws(logits, SamplingParams(min_p=0.5))) == {0, 1}

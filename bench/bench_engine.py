@@ -31,13 +31,22 @@ def make_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[lis
 
 
 def bench_engine(
-    loaded: LoadedModel, prompts: list[list[int]], output_len: int, invariant: bool, dtype: str
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    output_len: int,
+    invariant: bool,
+    dtype: str,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> dict:
     config = EngineConfig(
         dtype=dtype, batch_invariant=invariant, max_num_seqs=max(64, len(prompts)), selfcheck=False
     )
     engine = Engine(config, loaded=loaded)
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=output_len, temperature=temperature, top_p=top_p, seed=None if temperature == 0 else 1,
+        ignore_eos=True,
+    )  # fmt: skip
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)
@@ -78,7 +87,9 @@ def measure(impl: str, concurrency: int, args: argparse.Namespace) -> dict:
     if impl == "hf":
         run = bench_hf(loaded, prompts, args.output_len, torch.bfloat16)
     else:
-        run = bench_engine(loaded, prompts, args.output_len, impl == "inv", args.dtype)
+        run = bench_engine(
+            loaded, prompts, args.output_len, impl == "inv", args.dtype, args.temperature, args.top_p
+        )
     run.update(concurrency=concurrency, threads=args.threads, tok_per_s=run["tokens"] / run["seconds"])
     return run
 
@@ -91,6 +102,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.0, help="engine runs only (seed 1)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="engine runs only")
     parser.add_argument("--one", choices=IMPLS, help="run one measurement in this process (used internally)")
     args = parser.parse_args()
     if args.one is not None:
@@ -100,10 +113,10 @@ def main() -> None:
     # process-wide setting (the engine tunes glibc's malloc) carries over from one to the next.
     rows = []
     for concurrency in args.concurrency:
-        for impl in IMPLS[:2] if args.no_hf else IMPLS:
+        for impl in IMPLS[:2] if args.no_hf or args.temperature > 0 else IMPLS:
             command = [sys.executable, "-m", "bench.bench_engine", "--one", impl]
             command += ["--concurrency", str(concurrency)]
-            for flag in ("prompt_len", "output_len", "threads", "dtype"):
+            for flag in ("prompt_len", "output_len", "threads", "dtype", "temperature", "top_p"):
                 command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             run = json.loads(done.stdout.strip().splitlines()[-1])

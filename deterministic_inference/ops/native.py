@@ -10,8 +10,7 @@ Why the build cannot change bits: the flags forbid reassociation (no -ffast-math
 (-ffp-contract=off: the compiler fuses no multiply-add the source does not write as fmaf), so every
 float operation in the source is one IEEE-rounded operation whether the compiler vectorises it or
 not; the ISA flags change speed only. -fno-math-errno lets fmaf vectorise (it never sets errno for
-finite inputs anyway). The kernel's
-identity (`NativeKernels.digest`) still goes into the engine fingerprint.
+finite inputs anyway). The sources' digest (`source_digest`) goes into the engine fingerprint.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ class NativeBuildError(DetinfError):
 
 @dataclass(frozen=True)
 class NativeKernels:
-    """A loaded build of the attention kernel."""
+    """A loaded build of the kernels (attention and the row-wise ops)."""
 
     library: ctypes.CDLL
     path: Path
@@ -194,12 +193,10 @@ def _check_inputs(
         or q.shape[1] % kv_heads
     ):
         raise ValueError("attention kernel: cache shapes do not match q")
-    for tensor in (q, k_cache, v_cache, out, *index_tensors):
+    for tensor in (q, k_cache, v_cache, out):
         if not tensor.is_contiguous():
             raise ValueError("attention kernel: every tensor must be contiguous")
-    for tensor in index_tensors:
-        if tensor.dtype != torch.int64:
-            raise ValueError("attention kernel: index tensors must be int64")
+    _check_indices(index_tensors)
 
 
 def source_digest() -> str:

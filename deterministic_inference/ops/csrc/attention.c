@@ -36,8 +36,8 @@ static inline void load_row(const void *base, int64_t offset, float *dst, int64_
 }
 
 /* scores[l] = (sum over d ascending of q[d] * keys_t[d][l]) * scale for the `block` keys of one cache
-   block: each key is a lane, so every key's sum is the same sequence of mul + add, vectorised or not.
-   The 16-key version is the same arithmetic with the lanes held in registers. */
+   block: each key is a lane, so every key's sum is the same sequence of fused multiply-adds, vectorised
+   or not. The 16-key version is the same arithmetic with the lanes held in registers. */
 static inline void block_scores(const float *q, const float *keys_t, int64_t dim, int64_t block,
                                 float scale, float *scores) {
     for (int64_t l = 0; l < block; l++) scores[l] = 0.0f;
@@ -122,7 +122,7 @@ typedef struct {
     float *out;
 } attention_args;
 
-/* Workspace of one thread: scores [G][keys rounded up to block], one key block, G accumulators, G sums. */
+/* Workspace of one thread: scores [H][keys rounded up to block], one key block, H accumulators, H sums. */
 typedef struct {
     float *scores;
     float *tile;
@@ -130,32 +130,9 @@ typedef struct {
     float *totals;
 } workspace;
 
-/* acc[i][d] = sum over keys j ascending of p[i][j] * v_j[d] for n (1..4) rows sharing the value loads;
-   each d on its own, accumulated from 0 in ascending j, so vector lanes and scalar code round alike. */
-INLINE void values16(int n, const attention_args *a, const int64_t *table, int64_t kvh, int64_t keys,
-                     const float *const *p, float *const *acc) {
-    const int64_t dim = a->head_dim, block = a->block;
-    for (int64_t d = 0; d < dim; d += 16) {
-        f32x16 sums0 = {0}, sums1 = {0}, sums2 = {0}, sums3 = {0}; /* rows 0..n-1; n is a literal */
-        for (int64_t first = 0; first < keys; first += block) { /* keys in ascending order, block by block */
-            const int64_t base = (table[first / block] * a->kv_heads + kvh) * block * dim + d;
-            const int64_t count = keys - first < block ? keys - first : block;
-            for (int64_t l = 0; l < count; l++) {
-                const int64_t j = first + l;
-                const f32x16 v = load16(a->v_cache, base + l * dim, a->bf16);
-                sums0 = fma16(p[0][j], v, sums0);
-                if (n > 1) sums1 = fma16(p[1][j], v, sums1);
-                if (n > 2) sums2 = fma16(p[2][j], v, sums2);
-                if (n > 3) sums3 = fma16(p[3][j], v, sums3);
-            }
-        }
-        const f32x16 sums[4] = {sums0, sums1, sums2, sums3};
-        for (int i = 0; i < n; i++) memcpy(acc[i] + d, &sums[i], sizeof sums[i]);
-    }
-}
-
-/* values16 for the keys of ONE 16-key block (count <= 16 of them), continuing the sums in acc: the
-   same fused multiply-adds in the same ascending key order, split at block boundaries. */
+/* acc[i][d] += sum over the block's keys l < count, ascending, of p[i][l] * v_l[d] for n (1..4) rows
+   sharing the value loads: fused multiply-adds, each d on its own, so vector lanes and scalar code round
+   alike. Called block after block on zeroed acc, it gives the sums over all keys in ascending order. */
 INLINE void block_values16(int n, const void *v_cache, int64_t offset, int64_t count, int64_t dim, int bf16,
                            const float *const *p, float *const *acc) {
     for (int64_t d = 0; d < dim; d += 16) {
@@ -223,11 +200,18 @@ static void attend_rows(const attention_args *a, const int64_t *table, int64_t k
         for (int64_t i = 0; i < n; i++) values_any(a, table, kvh, keys, rows_p[i], rows_acc[i], w->tile);
         return;
     }
-    switch (n) {
-    case 4: values16(4, a, table, kvh, keys, rows_p, rows_acc); break;
-    case 3: values16(3, a, table, kvh, keys, rows_p, rows_acc); break;
-    case 2: values16(2, a, table, kvh, keys, rows_p, rows_acc); break;
-    default: values16(1, a, table, kvh, keys, rows_p, rows_acc); break;
+    for (int64_t i = 0; i < n; i++) memset(rows_acc[i], 0, sizeof(float) * (size_t)dim);
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const int64_t offset = (table[b] * a->kv_heads + kvh) * block * dim;
+        const int64_t count = keys - b * block < block ? keys - b * block : block;
+        const float *block_p[4];
+        for (int64_t i = 0; i < n; i++) block_p[i] = rows_p[i] + b * block;
+        switch (n) {
+        case 4: block_values16(4, a->v_cache, offset, count, dim, a->bf16, block_p, rows_acc); break;
+        case 3: block_values16(3, a->v_cache, offset, count, dim, a->bf16, block_p, rows_acc); break;
+        case 2: block_values16(2, a->v_cache, offset, count, dim, a->bf16, block_p, rows_acc); break;
+        default: block_values16(1, a->v_cache, offset, count, dim, a->bf16, block_p, rows_acc); break;
+        }
     }
 }
 
@@ -300,7 +284,6 @@ static void attend_row16(const attention_args *a, int64_t r, const workspace *w)
     }
 }
 
-/* Computes rows [first_row, end_row), every head. */
 /* 1 when a row sees no key, or its block table runs past block_ids or names a block outside the cache. */
 static int rows_out_of_range(const int64_t *block_ids, int64_t num_ids, const int64_t *row_table,
                              const int64_t *row_keys, int64_t first_row, int64_t end_row, int64_t block,
@@ -316,8 +299,8 @@ static int rows_out_of_range(const int64_t *block_ids, int64_t num_ids, const in
     return 0;
 }
 
-/* Returns 0; 1 when a workspace could not be allocated (some rows are then not written); 2 when an
-   index is out of range (nothing is written). */
+/* Computes rows [first_row, end_row), every head. Returns 0; 1 when a workspace could not be allocated
+   (some rows are then not written); 2 when an index is out of range (nothing is written). */
 int detinf_attention(const float *q, const void *k_cache, const void *v_cache, int cache_is_bf16,
                      const int64_t *block_ids, int64_t num_ids, const int64_t *row_table,
                      const int64_t *row_keys, int64_t first_row, int64_t end_row, int64_t heads,

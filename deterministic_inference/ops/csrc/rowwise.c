@@ -27,42 +27,39 @@ static inline void store_act(void *base, int64_t i, float value, int bf16) {
 static inline float exp_clamped(float x) { return exp_in_range(x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x)); }
 
 /* hidden[r] (+)= delta[r] (when delta is given), then out[r] = weight * round(hidden[r] * rsqrt(mean(
-   hidden[r]^2) + eps)): HF Llama's RMSNorm on the residual stream. hidden, delta, out, weight in the
-   model dtype; hidden is updated in place. Rows [0, rows) of width `width`. */
-/* The exported functions call these with a literal model_bf16, so each dtype gets its own branch-free
-   (vectorisable) loops; the arithmetic is the same either way. */
+   hidden[r]^2) + eps)): HF Llama's RMSNorm on the residual stream, for row r of width `width`. hidden,
+   delta, out, weight in the model dtype; hidden is updated in place. The exported functions call the
+   row functions with a literal model_bf16, so each dtype gets its own branch-free (vectorisable) loops;
+   the arithmetic is the same either way. */
+/* hidden[i] after the residual add (stored back when delta is given), as fp32. */
+INLINE float residual_at(void *hidden, const void *delta, int64_t i, int model_bf16) {
+    float x = load_act(hidden, i, model_bf16);
+    if (delta != NULL) {
+        x = round_act(x + load_act(delta, i, model_bf16), model_bf16);
+        store_act(hidden, i, x, model_bf16);
+    }
+    return x;
+}
+
 INLINE void add_rms_norm_row(void *hidden, const void *delta, const void *weight, void *out, int64_t r,
                              int64_t width, float eps, int model_bf16) {
-    {
-        const int64_t base = r * width;
-        float lanes[16] = {0};
-        int64_t i = 0;
-        for (; i + 16 <= width; i += 16) {
-            for (int l = 0; l < 16; l++) {
-                float x = load_act(hidden, base + i + l, model_bf16);
-                if (delta != NULL) {
-                    x = round_act(x + load_act(delta, base + i + l, model_bf16), model_bf16);
-                    store_act(hidden, base + i + l, x, model_bf16);
-                }
-                lanes[l] = lanes[l] + x * x;
-            }
-        }
-        for (int l = 0; i + l < width; l++) {
-            float x = load_act(hidden, base + i + l, model_bf16);
-            if (delta != NULL) {
-                x = round_act(x + load_act(delta, base + i + l, model_bf16), model_bf16);
-                store_act(hidden, base + i + l, x, model_bf16);
-            }
+    const int64_t base = r * width;
+    float lanes[LANES] = {0}; /* element i of the row goes to lane i % 16, in ascending order */
+    int64_t i = 0;
+    for (; i + LANES <= width; i += LANES) {
+        for (int l = 0; l < LANES; l++) {
+            const float x = residual_at(hidden, delta, base + i + l, model_bf16);
             lanes[l] = lanes[l] + x * x;
         }
-        for (int w = 8; w >= 1; w /= 2) {
-            for (int l = 0; l < w; l++) lanes[l] = lanes[l] + lanes[l + w];
-        }
-        const float inv = 1.0f / sqrtf(lanes[0] / (float)width + eps);
-        for (int64_t j = 0; j < width; j++) {
-            const float normed = round_act(load_act(hidden, base + j, model_bf16) * inv, model_bf16);
-            store_act(out, base + j, load_act(weight, j, model_bf16) * normed, model_bf16);
-        }
+    }
+    for (int l = 0; i + l < width; l++) {
+        const float x = residual_at(hidden, delta, base + i + l, model_bf16);
+        lanes[l] = lanes[l] + x * x;
+    }
+    const float inv = 1.0f / sqrtf(lane_tree(lanes) / (float)width + eps);
+    for (int64_t j = 0; j < width; j++) {
+        const float normed = round_act(load_act(hidden, base + j, model_bf16) * inv, model_bf16);
+        store_act(out, base + j, load_act(weight, j, model_bf16) * normed, model_bf16);
     }
 }
 
@@ -78,13 +75,11 @@ void detinf_add_rms_norm(void *hidden, const void *delta, const void *weight, vo
 /* out[r, j] = round(silu(gate[r, j])) * up[r, j] with gate = gate_up[r, :inter], up = gate_up[r, inter:]
    and silu(g) = g / (1 + exp(-g)) in fp32, as ops/activation.py did with torch ops. */
 INLINE void silu_mul_row(const void *gate_up, void *out, int64_t r, int64_t inter, int model_bf16) {
-    {
-        const int64_t in_base = r * 2 * inter, out_base = r * inter;
-        for (int64_t j = 0; j < inter; j++) {
-            const float gate = load_act(gate_up, in_base + j, model_bf16);
-            const float act = round_act(gate / (exp_clamped(-gate) + 1.0f), model_bf16);
-            store_act(out, out_base + j, act * load_act(gate_up, in_base + inter + j, model_bf16), model_bf16);
-        }
+    const int64_t in_base = r * 2 * inter, out_base = r * inter;
+    for (int64_t j = 0; j < inter; j++) {
+        const float gate = load_act(gate_up, in_base + j, model_bf16);
+        const float act = round_act(gate / (exp_clamped(-gate) + 1.0f), model_bf16);
+        store_act(out, out_base + j, act * load_act(gate_up, in_base + inter + j, model_bf16), model_bf16);
     }
 }
 

@@ -36,7 +36,14 @@ class Numerics:
 class DecoderLayer:
     """One pre-norm transformer block: attention then gated MLP, each with a residual add."""
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], index: int, numerics: Numerics):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: dict[str, torch.Tensor],
+        index: int,
+        numerics: Numerics,
+        kernels: NativeKernels | None,
+    ):
         prefix = f"model.layers.{index}."
         self.spec = spec
         self.numerics = numerics
@@ -45,7 +52,9 @@ class DecoderLayer:
             return weights[prefix + name].to(numerics.dtype)
 
         def linear(w: torch.Tensor, b: torch.Tensor | None = None) -> Linear:
-            return Linear(w, b, tile_rows=numerics.tile_rows, batch_invariant=numerics.batch_invariant)
+            return Linear(
+                w, b, tile_rows=numerics.tile_rows, batch_invariant=numerics.batch_invariant, kernels=kernels
+            )
 
         names = ("q_proj", "k_proj", "v_proj")
         qkv_weight = torch.cat([weight(f"self_attn.{name}.weight") for name in names])
@@ -145,17 +154,18 @@ class DecoderModel:
     ):
         self.spec = spec
         self.numerics = numerics
+        # The compiled kernels in invariant mode (raises NativeBuildError without a compiler).
+        self.kernels = native_kernels() if numerics.batch_invariant else None
         self.embed = weights["model.embed_tokens.weight"].to(numerics.dtype)  # [vocab, hidden]
-        self.layers = [DecoderLayer(spec, weights, i, numerics) for i in range(spec.num_layers)]
+        self.layers = [DecoderLayer(spec, weights, i, numerics, self.kernels) for i in range(spec.num_layers)]
         self.final_norm = weights["model.norm.weight"].to(numerics.dtype)
         head = weights["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
-        # Logits in fp32 whatever the model dtype: the head weight is kept in fp32.
+        # Logits in fp32 whatever the model dtype: fp32 sums of the model-dtype weight and hidden state.
         self.lm_head = Linear(
-            head.float(), None, tile_rows=numerics.tile_rows, batch_invariant=numerics.batch_invariant
-        )
+            head.to(numerics.dtype), None, tile_rows=numerics.tile_rows,
+            batch_invariant=numerics.batch_invariant, kernels=self.kernels, out_dtype=torch.float32,
+        )  # fmt: skip
         self.rotary = RotaryTable(spec.head_dim, spec.rope_theta, max_positions, spec.rope_scaling)
-        # The compiled attention kernel in invariant mode (raises NativeBuildError without a compiler).
-        self.kernels = native_kernels() if numerics.batch_invariant else None
 
     def forward(
         self,
@@ -186,5 +196,6 @@ class DecoderModel:
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [R, hidden] -> fp32 logits [R, vocab]; row-invariant (padded GEMM in fp32)."""
-        return self.lm_head(hidden.float())
+        """hidden: [R, hidden] -> fp32 logits [R, vocab]; row-invariant (see Linear: fp32 sums of the
+        bf16 products in the native GEMM, else a padded fp32 GEMM)."""
+        return self.lm_head(hidden)

@@ -1,8 +1,8 @@
 """Batch-invariant CPU ops: a row's result depends only on that row's data and on constants.
 
 Ops that differ from plain torch take `batch_invariant`; False switches to the plain torch op
-(benchmarks, negative controls). In invariant mode attention and the row-wise ops run in compiled C
-(`native`, sources in `csrc/`);
+(benchmarks, negative controls). In invariant mode attention, the row-wise ops and the bf16
+GEMM run in compiled C (`native`, sources in `csrc/`);
 `selfcheck` probes the ops at a model's real shapes on this hardware.
 """
 
@@ -14,4 +14,6 @@ Ops that differ from plain torch take `batch_invariant`; False switches to the p
 # 5 = attention dot products and value sums as explicit fused multiply-adds (fmaf).
 # 6 = top-p without a full sort: probabilities are the softmax of the whole row in token order, summed
 #     over the best tokens in (-value, id) order (was: softmax of the sorted row).
-OPS_REVISION = 6
+# 7 = bf16 linears and the logits head of bf16 models in the compiled GEMM (ops/csrc/gemm.c: fixed-order
+#     fp32 sums, VDPBF16PS or the same operations portably; the head sums bf16 products, was fp32 GEMM).
+OPS_REVISION = 7

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("mkldnn", "aten")
+if TYPE_CHECKING:
+    from deterministic_inference.ops.native import NativeKernels
 
 
 def padded_rows(num_rows: int, tile_rows: int) -> int:
@@ -36,13 +39,18 @@ def mkldnn_available(dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    """y = x W^T (+ b), with every GEMM call made on a padded, fixed-granularity row count.
+    """y = x W^T (+ b) whose rows do not depend on how many other rows share the call.
 
-    Why invariant: oneDNN and MKL pick their kernels and their reduction order from the GEMM's shape.
-    Padding the row count to a multiple of `tile_rows` (at least `tile_rows` rows) keeps every call in
-    the same kernel class, and each output row is then a fixed-order dot product of its own input row
-    with W, whatever the other rows are and wherever the row sits. The start-up self-check proves this
-    per machine at the model's shapes. With `batch_invariant=False` it is plain `F.linear`.
+    Why invariant: for bf16 weights with the compiled kernels (`kernels`, backend "native") every output
+    is a fixed-order fp32 sum over its own row and column (ops/csrc/gemm.c), so no padding is needed.
+    Otherwise (fp32 weights, or no kernels) oneDNN or MKL is called on a padded row count: they pick
+    their kernel and reduction order from the GEMM's shape, and padding to a multiple of `tile_rows`
+    (at least `tile_rows` rows) keeps every call in the same kernel class, so each row is a fixed-order
+    dot product of its own input with W. The start-up self-check proves either per machine at the
+    model's shapes. With `batch_invariant=False` it is plain `F.linear`.
+
+    `out_dtype` (default: the weight's) may be fp32 for bf16 weights: the native GEMM then returns its
+    fp32 sums unrounded (the logits head); the other backends compute in fp32 on an fp32 copy of W.
     """
 
     def __init__(
@@ -53,18 +61,35 @@ class Linear:
         tile_rows: int,
         batch_invariant: bool,
         backend: str = "mkldnn",
+        kernels: NativeKernels | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> None:
-        self.weight = weight.contiguous()
-        self.bias = None if bias is None else bias.contiguous()
+        self.out_dtype = out_dtype or weight.dtype
         self.tile_rows = tile_rows
         self.batch_invariant = batch_invariant
-        self.out_features, self.in_features = self.weight.shape
+        self.out_features, self.in_features = weight.shape
+        self._kernels = kernels if batch_invariant and weight.dtype == torch.bfloat16 else None
+        self._bias32: torch.Tensor | None = None
+        self._packed: torch.Tensor | None = None
+        if self._kernels is not None:
+            self.backend = "native"
+            self._packed = self._kernels.pack_bf16(weight.contiguous())
+            self._bias32 = None if bias is None else bias.float().contiguous()
+            return
+        weight = weight.to(self.out_dtype)
+        self.weight = weight.contiguous()
+        self.bias = None if bias is None else bias.to(self.out_dtype).contiguous()
         use_mkldnn = backend == "mkldnn" and batch_invariant and mkldnn_available(weight.dtype)
         self.backend = "mkldnn" if use_mkldnn else "aten"
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None) if use_mkldnn else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [M, in] -> [M, out]."""
+        """x: [M, in] -> [M, out] in `out_dtype`."""
+        if self._kernels is not None and self._packed is not None:
+            return self._kernels.gemm_bf16(
+                x.contiguous(), self._packed, self.out_features, self._bias32, self.out_dtype
+            )
+        x = x.to(self.weight.dtype)
         if not self.batch_invariant:
             return F.linear(x, self.weight, self.bias)
         num_rows = x.shape[0]

@@ -1,5 +1,5 @@
-"""The compiled kernels (ops/csrc/*.c: attention, RMSNorm, silu_mul, rotary + KV write), built with the
-system C compiler on first use.
+"""The compiled kernels (ops/csrc/*.c: attention, RMSNorm, silu_mul, rotary + KV write, the bf16 GEMM),
+built with the system C compiler on first use.
 
 The shared library is cached under `$DETINF_CACHE_DIR` (default `~/.cache/deterministic-inference`)
 in a file named by the sha256 of the source, the flags and the compiler's version, so a change to any
@@ -30,7 +30,7 @@ import torch
 from deterministic_inference.errors import DetinfError
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = (_CSRC / "attention.c", _CSRC / "rowwise.c")  # compiled together into one library
+SOURCES = (_CSRC / "attention.c", _CSRC / "rowwise.c", _CSRC / "gemm.c")  # compiled together into one library
 HEADERS = (_CSRC / "common.h",)  # included by the sources; part of the digest
 # -fopenmp: rows are shared out between OpenMP threads. torch is imported first and has loaded its own
 # libgomp.so.1, which the kernels' libgomp.so.1 dependency then resolves to: one thread pool, sized by
@@ -46,7 +46,7 @@ class NativeBuildError(DetinfError):
 
 @dataclass(frozen=True)
 class NativeKernels:
-    """A loaded build of the kernels (attention and the row-wise ops)."""
+    """A loaded build of the kernels (attention, the row-wise ops and the bf16 GEMM)."""
 
     library: ctypes.CDLL
     path: Path
@@ -169,6 +169,46 @@ class NativeKernels:
             raise ValueError("rotary_write_kv: a position, cache block or slot offset is out of range")
         return q_out
 
+    def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] bf16 -> the GEMM's packed layout [ceil(N/16) * ceil(K/2) * 32] bf16 (zero padded)."""
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
+            raise ValueError("pack_bf16: the weight must be a contiguous bf16 [out, in] matrix")
+        n, k = weight.shape
+        packed = torch.empty(packed_numel(n, k), dtype=torch.bfloat16)
+        self.library.detinf_pack_bf16(weight.data_ptr(), n, k, packed.data_ptr())
+        return packed
+
+    def gemm_bf16(
+        self,
+        x: torch.Tensor,  # [M, K] bf16 contiguous
+        packed: torch.Tensor,  # from pack_bf16 of a [N, K] weight
+        out_features: int,  # N
+        bias: torch.Tensor | None,  # [N] fp32 contiguous
+        out_dtype: torch.dtype,  # torch.bfloat16 or torch.float32
+    ) -> torch.Tensor:
+        """x W^T (+ b) -> [M, N]. Why invariant: each output is a fixed-order fp32 sum over its own row
+        and column (see gemm.c), whatever M, the row's position or the thread count."""
+        _check_activations((x,), torch.bfloat16)
+        rows, k = x.shape if x.dim() == 2 else (0, -1)
+        if x.dim() != 2 or packed.dtype != torch.bfloat16 or packed.numel() != packed_numel(out_features, k):
+            raise ValueError("gemm_bf16: x must be [M, K] and the packed weight must be [N, K] packed")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)):
+            raise ValueError("gemm_bf16: the bias must be fp32 [N]")
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError("gemm_bf16: the output dtype must be bf16 or fp32")
+        out = torch.empty((rows, out_features), dtype=out_dtype)
+        if rows:
+            self.library.detinf_gemm_bf16(
+                x.data_ptr(), rows, k, packed.data_ptr(), out_features,
+                None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),
+                int(out_dtype == torch.bfloat16),
+            )  # fmt: skip
+        return out
+
+    def gemm_uses_avx512_bf16(self) -> bool:
+        """True when this build's GEMM runs on VDPBF16PS (else the portable path, same bits)."""
+        return bool(self.library.detinf_gemm_uses_avx512_bf16())
+
     def exp(self, x: float) -> float:
         """The kernel's exp for x in [-87, 0] (tests compare it with a float64 reference)."""
         return float(self.library.detinf_exp_nonpositive(x))
@@ -197,6 +237,11 @@ def _check_inputs(
         if not tensor.is_contiguous():
             raise ValueError("attention kernel: every tensor must be contiguous")
     _check_indices(index_tensors)
+
+
+def packed_numel(out_features: int, in_features: int) -> int:
+    """Elements of a packed [N, K] bf16 weight: N rounded up to 16 times K rounded up to 2."""
+    return -(-out_features // 16) * 16 * (-(-in_features // 2) * 2)
 
 
 def source_digest() -> str:
@@ -294,6 +339,12 @@ def load(path: Path) -> NativeKernels:
     library.detinf_silu_mul.argtypes = [pointer, pointer, i64, i64, ctypes.c_int]
     library.detinf_rotary_write_kv.restype = ctypes.c_int
     library.detinf_rotary_write_kv.argtypes = [pointer] * 9 + [i64] * 7 + [ctypes.c_int]
+    library.detinf_pack_bf16.restype = None
+    library.detinf_pack_bf16.argtypes = [pointer, i64, i64, pointer]
+    library.detinf_gemm_bf16.restype = None
+    library.detinf_gemm_bf16.argtypes = [pointer, i64, i64, pointer, i64, pointer, pointer, ctypes.c_int]
+    library.detinf_gemm_uses_avx512_bf16.restype = ctypes.c_int
+    library.detinf_gemm_uses_avx512_bf16.argtypes = []
     library.detinf_exp_nonpositive.restype = ctypes.c_float
     library.detinf_exp_nonpositive.argtypes = [ctypes.c_float]
     return NativeKernels(library, path, path.stem.removeprefix("attention-"))

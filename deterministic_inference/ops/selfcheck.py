@@ -197,13 +197,19 @@ def _linear_probes(
         "lm_head": (spec.vocab_size, spec.hidden_size, False),
     }
     results = []
+    dtype = numerics.dtype
+    kernels = native_kernels() if numerics.batch_invariant else None
     for name, (out_features, in_features, has_bias) in shapes.items():
-        dtype = torch.float32 if name == "lm_head" else numerics.dtype
         weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
         bias = torch.randn(out_features, generator=generator).to(dtype) if has_bias else None
-        linear = Linear(weight, bias, tile_rows=numerics.tile_rows, batch_invariant=numerics.batch_invariant)
+        out_dtype = torch.float32 if name == "lm_head" else dtype
+        linear = Linear(
+            weight, bias, tile_rows=numerics.tile_rows, batch_invariant=numerics.batch_invariant,
+            kernels=kernels, out_dtype=out_dtype,
+        )  # fmt: skip
         rows = torch.randn(PROBE_ROWS, in_features, generator=generator).to(dtype)
-        kernel = f"{_dtype_name(dtype)} {linear.backend} T={numerics.tile_rows}"
+        tile = "" if linear.backend == "native" else f" T={numerics.tile_rows}"
+        kernel = f"{_dtype_name(dtype)}->{_dtype_name(out_dtype)} {linear.backend}{tile}"
         label = f"{name} {in_features}->{out_features} {kernel}"
         sizes = batch_sizes(numerics.tile_rows, 33 if name == "lm_head" else 64)
         results.append(_row_probe("linear", label, linear, rows, sizes, threads, generator))

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from deterministic_inference.ops.linear import Linear, mkldnn_available, pad_rows, padded_rows
+from deterministic_inference.ops.native import NativeKernels
 from tests.ops.helpers import DTYPES, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, THREADS, VOCAB, row_mismatches
 
 LAYER_SHAPES = {  # name: (out_features, in_features)
@@ -47,6 +48,45 @@ def test_fp32_logits_head_is_row_invariant(threads: int) -> None:
     )
     rows = _rows(HIDDEN, torch.float32)
     assert row_mismatches(head, rows, threads, sizes=(1, 3, 8, 33)) == []
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("shape", list(LAYER_SHAPES))
+def test_native_bf16_linears_are_row_invariant(kernels: NativeKernels, shape: str, threads: int) -> None:
+    """The compiled GEMM needs no padding: every M from 1 to 64 gives a row the same bits."""
+    linear = _linear(shape, torch.bfloat16, invariant=True, kernels=kernels)
+    assert linear.backend == "native"
+    assert row_mismatches(linear, _rows(linear.in_features, torch.bfloat16), threads) == []
+
+
+@pytest.mark.parametrize("threads", THREADS)
+def test_native_bf16_logits_head_is_row_invariant(kernels: NativeKernels, threads: int) -> None:
+    generator = torch.Generator().manual_seed(3)
+    weight = (torch.randn(VOCAB, HIDDEN, generator=generator) / 24).bfloat16()
+    head = Linear(weight, None, tile_rows=4, batch_invariant=True, kernels=kernels, out_dtype=torch.float32)
+    rows = _rows(HIDDEN, torch.bfloat16)
+    out = head(rows)
+    assert out.dtype == torch.float32 and head.backend == "native"
+    assert row_mismatches(head, rows, threads, sizes=(1, 3, 8, 33)) == []
+
+
+def test_native_linear_with_bias_computes_x_wt_plus_b(kernels: NativeKernels) -> None:
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(96, 64, generator=generator).bfloat16()
+    bias = torch.randn(96, generator=generator).bfloat16()
+    x = torch.randn(11, 64, generator=generator).bfloat16()
+    out = Linear(weight, bias, tile_rows=4, batch_invariant=True, kernels=kernels)(x)
+    assert out.shape == (11, 96) and out.dtype == torch.bfloat16
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=2e-2)
+    row_bias = Linear(weight, bias, tile_rows=4, batch_invariant=True, kernels=kernels)
+    assert row_mismatches(row_bias, _rows(64, torch.bfloat16), threads=2) == []
+
+
+def test_fp32_weights_and_plain_mode_do_not_use_the_native_gemm(kernels: NativeKernels) -> None:
+    assert _linear("qkv", torch.float32, invariant=True, kernels=kernels).backend == "mkldnn"
+    plain = _linear("qkv", torch.bfloat16, invariant=False, kernels=kernels)
+    assert plain.backend == "aten" and not plain.batch_invariant
 
 
 def test_negative_control_plain_linear_differs() -> None:

@@ -1,0 +1,163 @@
+/* bf16 GEMM for deterministic-inference: out[m, n] = x[m, :] . w[n, :] (+ bias[n]), bf16 inputs, fp32
+   accumulation, fp32 or bf16 (round to nearest even) output. Used for every linear of a bf16 model and
+   for its logits head (fp32 out).
+
+   The order of every sum is fixed by this source: output (r, c) starts at +0 and, for p = 0, 1, ...,
+   adds x[r, 2p+1] * w[c, 2p+1] and then x[r, 2p] * w[c, 2p], each add one IEEE fp32 rounding of the
+   exact product plus the running sum (the product of two bf16 numbers is exact in fp32), with
+   denormal inputs read as zero and denormal results flushed to zero. That is the definition of the
+   AVX512-BF16 instruction VDPBF16PS, which the fast path uses; the portable path performs the same
+   operations with fmaf (tests compare the two builds bit for bit). Nothing depends on m, on where the
+   row sits, on the other rows or on the thread that computes it: columns are shared out in fixed
+   panels of 64 and every panel is computed whole, row by row, by one thread.
+
+   The weight is packed once (detinf_pack_bf16) as [n / 16][k / 2][16][2]: for each block of 16 output
+   columns, the k pairs one after another, each pair of 16 columns one 64-byte line. n and k are padded
+   with zeros to multiples of 16 and 2. */
+
+#include "common.h"
+
+#define ROWS_PER_TILE 4   /* rows of x computed together (register blocking) */
+#define BLOCKS_PER_PANEL 4 /* 16-column blocks per panel: a panel is 64 output columns */
+#define PANEL_COLS (BLOCKS_PER_PANEL * LANES)
+
+static inline float flush_denormal(float value) {
+    return fabsf(value) < 1.17549435e-38f ? copysignf(0.0f, value) : value;
+}
+
+/* x[r, 2p] | x[r, 2p+1] << 16 as one 32-bit word; the missing odd element of an odd k reads as zero. */
+INLINE uint32_t pair_at(const uint16_t *row, int64_t p, int64_t k) {
+    uint32_t pair = row[2 * p];
+    if (2 * p + 1 < k) pair |= (uint32_t)row[2 * p + 1] << 16;
+    return pair;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+/* tile[r][b * 16 + c] = the sum above for rows [0, R) of x and the B blocks of one panel. */
+INLINE void tile_sums(const uint16_t *x, int64_t k, const uint16_t *panel, int64_t block_stride,
+                      float *tile, int R, int B) {
+    __m512 acc[ROWS_PER_TILE][BLOCKS_PER_PANEL];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) acc[r][b] = _mm512_setzero_ps();
+    const int64_t pairs = (k + 1) / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh w[BLOCKS_PER_PANEL];
+        for (int b = 0; b < B; b++) w[b] = (__m512bh)_mm512_loadu_si512(panel + b * block_stride + p * 32);
+        for (int r = 0; r < R; r++) {
+            const __m512bh xr = (__m512bh)_mm512_set1_epi32((int)pair_at(x + r * k, p, k));
+            for (int b = 0; b < B; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xr, w[b]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) _mm512_storeu_ps(tile + r * PANEL_COLS + b * LANES, acc[r][b]);
+}
+
+#else
+
+/* The same operations as VDPBF16PS, lane by lane: odd element first, fmaf of the exact product, FTZ. */
+INLINE void tile_sums(const uint16_t *x, int64_t k, const uint16_t *panel, int64_t block_stride,
+                      float *tile, int R, int B) {
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < B * LANES; c++) tile[r * PANEL_COLS + c] = 0.0f;
+    const int64_t pairs = (k + 1) / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        for (int r = 0; r < R; r++) {
+            const uint32_t pair = pair_at(x + r * k, p, k);
+            const float x_even = flush_denormal(bf16_to_f32((uint16_t)(pair & 0xFFFFu)));
+            const float x_odd = flush_denormal(bf16_to_f32((uint16_t)(pair >> 16)));
+            for (int b = 0; b < B; b++) {
+                const uint16_t *w = panel + b * block_stride + p * 32;
+                float *acc = tile + r * PANEL_COLS + b * LANES;
+                for (int c = 0; c < LANES; c++) {
+                    const float odd = flush_denormal(fmaf(x_odd, bf16_to_f32(w[2 * c + 1]), acc[c]));
+                    acc[c] = flush_denormal(fmaf(x_even, bf16_to_f32(w[2 * c]), odd));
+                }
+            }
+        }
+    }
+}
+
+#endif
+
+/* tile_sums with literal R and B, so the accumulators of the fast path stay in registers. */
+static void tile_sums_any(const uint16_t *x, int64_t k, const uint16_t *panel, int64_t block_stride,
+                          float *tile, int R, int B) {
+#define DETINF_TILE_CASE(rows)                                                                        \
+    case rows:                                                                                        \
+        if (B == BLOCKS_PER_PANEL) tile_sums(x, k, panel, block_stride, tile, rows, BLOCKS_PER_PANEL); \
+        else                                                                                          \
+            for (int b = 0; b < B; b++)                                                               \
+                tile_sums(x, k, panel + b * block_stride, block_stride, tile + b * LANES, rows, 1);   \
+        break;
+    switch (R) {
+        DETINF_TILE_CASE(1)
+        DETINF_TILE_CASE(2)
+        DETINF_TILE_CASE(3)
+        DETINF_TILE_CASE(4)
+    }
+#undef DETINF_TILE_CASE
+}
+
+/* Rows [r0, r0 + R) of the panel's columns [c0, c0 + cols): add the bias in fp32, round once. */
+static void store_tile(const float *tile, int R, int64_t r0, int64_t c0, int64_t cols, int64_t n,
+                       const float *bias, void *out, int out_bf16) {
+    for (int r = 0; r < R; r++) {
+        const int64_t base = (r0 + r) * n + c0;
+        for (int64_t c = 0; c < cols; c++) {
+            const float value = bias ? tile[r * PANEL_COLS + c] + bias[c0 + c] : tile[r * PANEL_COLS + c];
+            if (out_bf16) ((uint16_t *)out)[base + c] = f32_to_bf16(value);
+            else ((float *)out)[base + c] = value;
+        }
+    }
+}
+
+/* w [n, k] bf16 -> packed [ceil(n/16)][ceil(k/2)][16][2], zero padded, denormals flushed to zero. */
+void detinf_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
+    const int64_t pairs = (k + 1) / 2, blocks = (n + LANES - 1) / LANES;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t p = 0; p < pairs; p++) {
+            for (int c = 0; c < LANES; c++) {
+                for (int h = 0; h < 2; h++) {
+                    const int64_t row = b * LANES + c, col = 2 * p + h;
+                    uint16_t value = (row < n && col < k) ? w[row * k + col] : 0;
+                    if ((value & 0x7F80u) == 0) value &= 0x8000u; /* a denormal reads as zero */
+                    packed[((b * pairs + p) * LANES + c) * 2 + h] = value;
+                }
+            }
+        }
+    }
+}
+
+/* x [m, k] bf16 contiguous, packed from detinf_pack_bf16, bias [n] fp32 or NULL, out [m, n] fp32 or
+   bf16 (out_bf16). Panels of 64 columns are shared out between torch's OpenMP threads; within a panel
+   rows go 4 at a time. Neither choice changes a bit (see the top of the file). */
+void detinf_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                      const float *bias, void *out, int out_bf16) {
+    const int64_t pairs = (k + 1) / 2, blocks = (n + LANES - 1) / LANES, block_stride = pairs * 32;
+    const int64_t panels = (blocks + BLOCKS_PER_PANEL - 1) / BLOCKS_PER_PANEL;
+#pragma omp parallel for schedule(static) if (m * n * k >= (int64_t)1 << 20)
+    for (int64_t j = 0; j < panels; j++) {
+        const int64_t first_block = j * BLOCKS_PER_PANEL;
+        const int B = (int)(blocks - first_block < BLOCKS_PER_PANEL ? blocks - first_block : BLOCKS_PER_PANEL);
+        const int64_t c0 = first_block * LANES;
+        const int64_t cols = n - c0 < B * LANES ? n - c0 : B * LANES;
+        float tile[ROWS_PER_TILE * PANEL_COLS];
+        for (int64_t r0 = 0; r0 < m; r0 += ROWS_PER_TILE) {
+            const int R = (int)(m - r0 < ROWS_PER_TILE ? m - r0 : ROWS_PER_TILE);
+            tile_sums_any(x + r0 * k, k, packed + first_block * block_stride, block_stride, tile, R, B);
+            store_tile(tile, R, r0, c0, cols, n, bias, out, out_bf16);
+        }
+    }
+}
+
+/* 1 when this build uses VDPBF16PS, 0 for the portable path (tests build both and compare). */
+int detinf_gemm_uses_avx512_bf16(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -19,6 +19,9 @@
    the ISA flags change speed, not bits. */
 
 #include "common.h"
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 /* exp(x) for x in [-87, 0] (the softmax numerators). */
 static inline float exp_nonpositive(float x) { return exp_in_range(x); }
@@ -66,10 +69,16 @@ static inline __attribute__((always_inline)) f32x16 fma16(float a, f32x16 b, f32
 static inline f32x16 load16(const void *base, int64_t index, int bf16) {
     f32x16 value;
     if (bf16) {
+#if defined(__AVX512F__)
+        const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
+        const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
+        memcpy(&value, &bits, sizeof value);
+#else
         u16x16 half;
         memcpy(&half, (const uint16_t *)base + index, sizeof half);
         u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
         memcpy(&value, &bits, sizeof value);
+#endif
     } else {
         memcpy(&value, (const float *)base + index, sizeof value);
     }
@@ -120,6 +129,7 @@ typedef struct {
     int64_t heads, kv_heads, head_dim, block;
     float scale;
     float *out;
+    int64_t end_row; /* rows [first_row, end_row) are computed: their block tables were checked */
 } attention_args;
 
 /* Workspace of one thread: scores [H][keys rounded up to block], one key block, H accumulators, H sums. */
@@ -256,6 +266,39 @@ static void block_rows(const attention_args *a, int64_t r, int64_t h0, int64_t n
     }
 }
 
+/* Blocks are scattered through the cache pool, so the hardware prefetchers lose the stream at every
+   block boundary, and decode attention (which reads the whole cache from memory at every step) waited
+   on memory: 25 ms per 30 layers at 32 rows x 192 keys, against 10 ms with a warm cache. Asking for the
+   block two ahead (keys, then values, then the next row's keys) into L2 brought it to 17 ms. Prefetches
+   change no value. */
+#define LOOKAHEAD_BLOCKS 2
+
+/* Asks for the lines of one cache block (every KV head: keys or values) into L2 (locality 2). GCC
+   deletes a loop whose body is only __builtin_prefetch as an empty loop; the empty volatile asm that
+   uses the address keeps it (it emits no instruction). */
+static inline void prefetch_block(const attention_args *a, int64_t block_id, int values) {
+    const int64_t bytes = a->kv_heads * a->head_dim * 16 * (a->bf16 ? 2 : 4);
+    const char *base = (const char *)(values ? a->v_cache : a->k_cache) + block_id * bytes;
+    for (int64_t line = 0; line < bytes; line += 64) {
+        __builtin_prefetch(base + line, 0, 2);
+        __asm__ __volatile__("" : : "r"(base + line));
+    }
+}
+
+/* During block b of a pass: the block LOOKAHEAD_BLOCKS further on; near the end of the key pass, the
+   first value blocks; near the end of the value pass, the first key blocks of row r + 1. */
+static inline void prefetch_ahead(const attention_args *a, int64_t r, const int64_t *table, int64_t num_blocks,
+                                  int64_t b, int values) {
+    const int64_t ahead = b + LOOKAHEAD_BLOCKS;
+    if (ahead < num_blocks) {
+        prefetch_block(a, table[ahead], values);
+    } else if (!values) {
+        if (ahead - num_blocks < num_blocks) prefetch_block(a, table[ahead - num_blocks], 1);
+    } else if (r + 1 < a->end_row && ahead - num_blocks < (a->row_keys[r + 1] + 15) / 16) {
+        prefetch_block(a, a->block_ids[a->row_table[r + 1] + ahead - num_blocks], 0);
+    }
+}
+
 /* Every head of row r with 16-key blocks and head_dim a multiple of 16: the same arithmetic as attend(),
    but block by block over all KV heads, so each block's keys (then values) are read as one contiguous
    run of memory instead of one slice per KV head. */
@@ -270,6 +313,7 @@ static void attend_row16(const attention_args *a, int64_t r, const workspace *w)
         }
         for (int64_t b = 0; b < num_blocks; b++) {
             const int64_t count = keys - b * 16 < 16 ? keys - b * 16 : 16;
+            prefetch_ahead(a, r, table, num_blocks, b, values);
             for (int64_t h0 = 0; h0 < heads; h0 += group) {
                 for (int64_t first = 0; first < group; first += 4) {
                     const int64_t n = group - first < 4 ? group - first : 4;
@@ -309,7 +353,7 @@ int detinf_attention(const float *q, const void *k_cache, const void *v_cache, i
     if (rows_out_of_range(block_ids, num_ids, row_table, row_keys, first_row, end_row, block, num_blocks))
         return 2;
     const attention_args a = {q,     k_cache,  v_cache,  cache_is_bf16, block_ids, row_table, row_keys,
-                              heads, kv_heads, head_dim, block,         scale,     out};
+                              heads, kv_heads, head_dim, block,         scale,     out, end_row};
     int64_t max_keys = 1;
     for (int64_t r = first_row; r < end_row; r++) max_keys = a.row_keys[r] > max_keys ? a.row_keys[r] : max_keys;
     const size_t stride = (size_t)((max_keys + block - 1) / block * block);

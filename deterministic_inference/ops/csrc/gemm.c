@@ -25,10 +25,12 @@ static inline float flush_denormal(float value) {
     return fabsf(value) < 1.17549435e-38f ? copysignf(0.0f, value) : value;
 }
 
-/* x[r, 2p] | x[r, 2p+1] << 16 as one 32-bit word; the missing odd element of an odd k reads as zero. */
+/* x[r, 2p] | x[r, 2p+1] << 16 as one 32-bit word (one load); the missing odd element of an odd k reads
+   as zero. */
 INLINE uint32_t pair_at(const uint16_t *row, int64_t p, int64_t k) {
-    uint32_t pair = row[2 * p];
-    if (2 * p + 1 < k) pair |= (uint32_t)row[2 * p + 1] << 16;
+    uint32_t pair;
+    if (2 * p + 1 < k) memcpy(&pair, row + 2 * p, sizeof pair);
+    else pair = row[2 * p];
     return pair;
 }
 
@@ -100,16 +102,28 @@ static void tile_sums_any(const uint16_t *x, int64_t k, const uint16_t *panel, i
 #undef DETINF_TILE_CASE
 }
 
+/* out[base + c] = sums[c] (+ bias[c]) for c < cols, fp32 or rounded to bf16. Called with literal flags,
+   so each variant is a branch-free loop the compiler vectorises (the conversion was the GEMM's tail). */
+INLINE void store_row(const float *sums, const float *bias, void *out, int64_t base, int64_t cols, int out_bf16,
+                      int has_bias) {
+    for (int64_t c = 0; c < cols; c++) {
+        const float value = has_bias ? sums[c] + bias[c] : sums[c];
+        if (out_bf16) ((uint16_t *)out)[base + c] = f32_to_bf16(value);
+        else ((float *)out)[base + c] = value;
+    }
+}
+
 /* Rows [r0, r0 + R) of the panel's columns [c0, c0 + cols): add the bias in fp32, round once. */
 static void store_tile(const float *tile, int R, int64_t r0, int64_t c0, int64_t cols, int64_t n,
                        const float *bias, void *out, int out_bf16) {
+    const float *panel_bias = bias ? bias + c0 : NULL;
     for (int r = 0; r < R; r++) {
+        const float *sums = tile + r * PANEL_COLS;
         const int64_t base = (r0 + r) * n + c0;
-        for (int64_t c = 0; c < cols; c++) {
-            const float value = bias ? tile[r * PANEL_COLS + c] + bias[c0 + c] : tile[r * PANEL_COLS + c];
-            if (out_bf16) ((uint16_t *)out)[base + c] = f32_to_bf16(value);
-            else ((float *)out)[base + c] = value;
-        }
+        if (out_bf16 && panel_bias) store_row(sums, panel_bias, out, base, cols, 1, 1);
+        else if (out_bf16) store_row(sums, NULL, out, base, cols, 1, 0);
+        else if (panel_bias) store_row(sums, panel_bias, out, base, cols, 0, 1);
+        else store_row(sums, NULL, out, base, cols, 0, 0);
     }
 }
 

@@ -26,7 +26,7 @@ from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.activation import silu_mul
 from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache, paged_attention
 from deterministic_inference.ops.linear import Linear
-from deterministic_inference.ops.native import native_kernels
+from deterministic_inference.ops.native import NativeKernels, native_kernels
 
 SMOLLM2 = ModelSpec(
     architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -51,45 +51,62 @@ def best_times(fns: Mapping[str, Callable[[], object]], rounds: int, inner: int 
     return best
 
 
-def print_row(label: str, times: dict[str, float], base: str) -> None:
-    """One markdown table row: each variant's ms and its ratio to `base`."""
-    cells = " | ".join(f"{times[name]:.3f} ({times[name] / times[base]:.2f}x)" for name in times)
+def print_row(label: str, times: dict[str, float], base: str, columns: tuple[str, ...] = ()) -> None:
+    """One markdown table row: each variant's ms and its ratio to `base` (`columns`: order, "-" if absent)."""
+    names = columns or tuple(times)
+    cells = " | ".join(
+        f"{times[n]:.3f} ({times[n] / times[base]:.2f}x)" if n in times else "-" for n in names
+    )
     print(f"| {label} | {cells} |", flush=True)
 
 
+LINEAR_COLUMNS = ("plain", "mkldnn4", "mkldnn8", "aten4", "native")
+
+
 def bench_linear(rounds: int) -> None:
-    """Invariant linears (mkldnn prepacked / aten, padded to T) vs plain F.linear, per layer shape."""
+    """Invariant linears (compiled bf16 GEMM; mkldnn prepacked / aten padded to T) vs plain F.linear."""
     shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+    kernels = native_kernels()
     print("\n### linear: ms per call (ratio to plain F.linear of the same dtype)")
-    print("| dtype M shape | plain | mkldnn T=4 | mkldnn T=8 | aten T=4 |\n|---|---|---|---|---|")
+    print("| dtype M shape | plain | mkldnn T=4 | mkldnn T=8 | aten T=4 | native |")
+    print("|---|---|---|---|---|---|")
     for dtype_name, dtype in DTYPES.items():
         for rows in (1, 8, 32, 128, 512):
             totals: dict[str, float] = {}
             for out_f, in_f in shapes.values():
                 weight = (torch.randn(out_f, in_f) / in_f**0.5).to(dtype)
                 x = torch.randn(rows, in_f).to(dtype)
-                variants = {
-                    "plain": Linear(weight, None, tile_rows=4, batch_invariant=False),
-                    "mkldnn4": Linear(weight, None, tile_rows=4, batch_invariant=True),
-                    "mkldnn8": Linear(weight, None, tile_rows=8, batch_invariant=True),
-                    "aten4": Linear(weight, None, tile_rows=4, batch_invariant=True, backend="aten"),
-                }
+                variants = _linear_variants(weight, kernels if dtype == torch.bfloat16 else None)
                 calls = {name: functools.partial(linear, x) for name, linear in variants.items()}
                 times = best_times(calls, rounds, inner=3)
                 for key, value in times.items():
                     totals[key] = totals.get(key, 0.0) + value
-            print_row(f"{dtype_name} M={rows} layer", totals, "plain")
+            print_row(f"{dtype_name} M={rows} layer", totals, "plain", LINEAR_COLUMNS)
     head = torch.randn(SMOLLM2.vocab_size, 576) / 24
     for rows in (1, 8, 32):
         x = torch.randn(rows, 576)
-        variants = {
-            "plain": Linear(head, None, tile_rows=4, batch_invariant=False),
-            "mkldnn4": Linear(head, None, tile_rows=4, batch_invariant=True),
-            "mkldnn8": Linear(head, None, tile_rows=8, batch_invariant=True),
-            "aten4": Linear(head, None, tile_rows=4, batch_invariant=True, backend="aten"),
-        }
-        times = best_times({name: functools.partial(linear, x) for name, linear in variants.items()}, rounds)
-        print_row(f"fp32 M={rows} lm_head", times, "plain")
+        variants = _linear_variants(head, None)
+        # the bf16 model's head: bf16 weight and hidden state, fp32 sums (its fp32 rivals get fp32 inputs)
+        native = Linear(
+            head.bfloat16(), None, tile_rows=4, batch_invariant=True, kernels=kernels, out_dtype=torch.float32
+        )
+        calls = {name: functools.partial(linear, x) for name, linear in variants.items()}
+        calls["native"] = functools.partial(native, x.bfloat16())
+        times = best_times(calls, rounds)
+        print_row(f"fp32-out M={rows} lm_head", times, "plain", LINEAR_COLUMNS)
+
+
+def _linear_variants(weight: torch.Tensor, kernels: NativeKernels | None) -> dict[str, Linear]:
+    """The invariant backends and plain F.linear for one weight; "native" only for bf16 with kernels."""
+    variants = {
+        "plain": Linear(weight, None, tile_rows=4, batch_invariant=False),
+        "mkldnn4": Linear(weight, None, tile_rows=4, batch_invariant=True),
+        "mkldnn8": Linear(weight, None, tile_rows=8, batch_invariant=True),
+        "aten4": Linear(weight, None, tile_rows=4, batch_invariant=True, backend="aten"),
+    }
+    if kernels is not None:
+        variants["native"] = Linear(weight, None, tile_rows=4, batch_invariant=True, kernels=kernels)
+    return variants
 
 
 def _attention_inputs(

@@ -4,7 +4,7 @@ Invariance is a property of the kernels torch picks on this CPU, not of our code
 serving in invariant mode the engine runs these probes (random weights of the real shapes; a few
 seconds for SmolLM2-135M) and refuses to start, naming the op and shape, if any probe differs:
 
-- row ops (linears incl. the fp32 logits head, RMSNorm, silu_mul, rotary): a row computed alone with
+- row ops (linears incl. the fp32-output logits head, RMSNorm, silu_mul, rotary): a row computed alone with
   one thread vs the same row inside batches of several sizes, at the first, a middle and the last
   position, among random neighbours, with the configured thread count;
 - exp: its scalar and vectorised kernels agree (silu_mul relies on it);
@@ -99,14 +99,13 @@ class SelfCheckReport:
 
     def raise_if_failed(self) -> None:
         """Raise SelfCheckError naming every failed op and shape."""
-        if self.ok:
-            return
         failed = "; ".join(f"{r.op} {r.shape}: {r.detail}" for r in self.failures)
-        raise SelfCheckError(
-            f"batch-invariance self-check failed on this machine ({failed}). Outputs would depend on "
-            "batch composition here: try another dtype or linear_tile_rows, or start with batch "
-            "invariance off (outputs then not reproducible). `detinf selfcheck` prints every probe."
-        )
+        if failed:
+            raise SelfCheckError(
+                f"batch-invariance self-check failed on this machine ({failed}). Outputs would depend on "
+                "batch composition here: try another dtype or linear_tile_rows, or start with batch "
+                "invariance off (outputs then not reproducible). `detinf selfcheck` prints every probe."
+            )
 
 
 def run_selfcheck(spec: ModelSpec, numerics: Numerics, threads: int | None) -> SelfCheckReport:
@@ -196,22 +195,19 @@ def _linear_probes(
         "down": (spec.hidden_size, spec.intermediate_size, False),
         "lm_head": (spec.vocab_size, spec.hidden_size, False),
     }
-    results = []
-    dtype = numerics.dtype
+    results, dtype, tile_rows = [], numerics.dtype, numerics.tile_rows
     kernels = native_kernels() if numerics.batch_invariant else None
     for name, (out_features, in_features, has_bias) in shapes.items():
         weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
         bias = torch.randn(out_features, generator=generator).to(dtype) if has_bias else None
         out_dtype = torch.float32 if name == "lm_head" else dtype
-        linear = Linear(
-            weight, bias, tile_rows=numerics.tile_rows, batch_invariant=numerics.batch_invariant,
-            kernels=kernels, out_dtype=out_dtype,
-        )  # fmt: skip
+        linear = Linear(weight, bias, tile_rows=tile_rows, batch_invariant=numerics.batch_invariant,
+                        kernels=kernels, out_dtype=out_dtype)  # fmt: skip
         rows = torch.randn(PROBE_ROWS, in_features, generator=generator).to(dtype)
-        tile = "" if linear.backend == "native" else f" T={numerics.tile_rows}"
-        kernel = f"{_dtype_name(dtype)}->{_dtype_name(out_dtype)} {linear.backend}{tile}"
-        label = f"{name} {in_features}->{out_features} {kernel}"
-        sizes = batch_sizes(numerics.tile_rows, 33 if name == "lm_head" else 64)
+        tile = "" if linear.backend == "native" else f" T={tile_rows}"
+        types = f"{_dtype_name(dtype)}->{_dtype_name(out_dtype)}"
+        label = f"{name} {in_features}->{out_features} {types} {linear.backend}{tile}"
+        sizes = batch_sizes(tile_rows, 33 if name == "lm_head" else 64)
         results.append(_row_probe("linear", label, linear, rows, sizes, threads, generator))
     return results
 

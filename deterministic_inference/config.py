@@ -63,7 +63,7 @@ class EngineConfig:
 
         return {
             "ops_revision": OPS_REVISION,
-            "attention_kernel": source_digest(),
+            "kernel_sources": source_digest(),  # the C kernels: attention, row-wise ops, bf16 GEMM
             "dtype": resolved_dtype,
             "batch_invariant": self.batch_invariant,
             "linear_tile_rows": self.linear_tile_rows,

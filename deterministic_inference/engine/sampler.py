@@ -28,8 +28,9 @@ Logprobs are "raw": log_softmax of the model's fp32 logits row, BEFORE penalties
 filters (vLLM's "raw_logprobs"). Decode logprobs therefore equal, bitwise, the prompt logprobs of the same
 sequence scored in one prefill (`prompt_logprobs` uses the same row function): the RL contract.
 
-Plain greedy rows take a batched path (`greedy_batch`) that gives every row the same bits as
-`_sample_row`; rows it cannot prove exact fall back to `_sample_row`.
+Plain greedy rows take a batched path (`greedy_batch`), and seeded rows without penalties or min-p
+another (`seeded_batch`); both give every row the same bits as `_sample_row`, and rows they cannot prove
+exact fall back to `_sample_row`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch
 
 from deterministic_inference.engine.greedy_batch import RowResult, greedy_rows, plain_greedy
 from deterministic_inference.engine.sampling_params import SamplingParams
+from deterministic_inference.engine.seeded_batch import seeded_results
 
 _M32 = 0xFFFFFFFF
 _LN2 = math.log(2.0)
@@ -130,6 +132,13 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
     key1, key2 = _row_keys(seeds.to(torch.int64), positions.to(torch.int64))
     token_ids = torch.arange(vocab_size, dtype=torch.int64)
     return _gumbel(_token_uniforms(key1[:, None], key2[:, None], token_ids[None, :]))
+
+
+def gumbel_at(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise [R, S] float32 of token_ids [R, S] for rows (seeds [R], positions [R]): element (r, j)
+    is `gumbel_noise(...)[r, token_ids[r, j]]`, the same elementwise integer / exact-rounded steps."""
+    key1, key2 = _row_keys(seeds.to(torch.int64), positions.to(torch.int64))
+    return _gumbel(_token_uniforms(key1[:, None], key2[:, None], token_ids))
 
 
 # -- row helpers -------------------------------------------------------------------------------------
@@ -296,9 +305,10 @@ def sample(
     (the row's OUTPUT position, i.e. tokens generated so far), past_tokens[r] (prompt + output, for the
     repetition penalty) and output_tokens[r]: its result is bitwise the same alone or in any batch.
 
-    Plain greedy rows go through the batched path, every other row (and any batched row whose exactness
-    condition fails) through `_sample_row`; both give the same bits for a row (see the module docstring),
-    so which rows share a batch never changes a result."""
+    Plain greedy rows (`greedy_batch`) and plain seeded rows (`seeded_batch`) go through batched paths,
+    every other row (and any batched row whose exactness condition fails) through `_sample_row`; all give
+    the same bits for a row (see the module docstring), so which rows share a batch never changes a
+    result."""
     _check_batch(
         logits,
         {
@@ -316,6 +326,11 @@ def sample(
         batched = greedy_rows(block.to(torch.float32), [params[r].logprobs or 0 for r in greedy])
         for r, row in zip(greedy, batched, strict=True):
             rows[r] = row
+    seeded = seeded_results(
+        logits, params, seeds, positions, past_tokens, output_tokens, (_gumbel_argmax, gumbel_at)
+    )
+    for r, found in seeded.items():
+        rows[r] = found
     result = SampleResult(token_ids=[], logprobs=[], top_logprobs=[])
     for r, row in enumerate(rows):
         if row is None:

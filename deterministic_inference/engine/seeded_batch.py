@@ -115,9 +115,12 @@ def _top_p_of_vocab(scaled: torch.Tensor, top_p: float, rows: list[int]) -> dict
             break
         ids, counts = _upper_sets(_rows_of(scaled, rows), min(need, vocab))  # [P, C], [P]
         kept, decided = _top_p_counts(_rows_of(probs, rows).gather(1, ids), counts, top_p, vocab)
-        for r, row_ids, n, done in zip(rows, ids, kept.tolist(), decided.tolist(), strict=True):
+        values = _rows_of(scaled, rows).gather(1, ids)  # [P, C], row p: scaled[rows[p]][ids[p]]
+        for r, row_ids, row_values, n, done in zip(
+            rows, ids, values, kept.tolist(), decided.tolist(), strict=True
+        ):
             if done:
-                found[r] = row_ids[:n].clone(), scaled[r][row_ids[:n]]
+                found[r] = row_ids[:n].clone(), row_values[:n].clone()
         rows = [r for r, done in zip(rows, decided.tolist(), strict=True) if not done]
     return found
 

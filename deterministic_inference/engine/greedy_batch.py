@@ -80,7 +80,7 @@ def order_keys(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     return monotone * (1 << 32) + (_LOW32 - columns)
 
 
-def _best_rows(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def best_rows(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k best columns per row by (-value, id) of `logprobs` [R, V], ordered: (ids [R, k] int64, exact
     [R] bool). Row r's ids equal `sampler._best(logprobs[r], k)` wherever exact[r]:
 
@@ -115,7 +115,7 @@ def greedy_rows(block: torch.Tensor, ks: list[int]) -> list[RowResult | None]:
     k = max(ks)
     tops: list[list[tuple[int, float]]] = [[] for _ in ks]
     if k > 0:
-        ids, exact = _best_rows(logprobs, k)  # [R, k], [R]
+        ids, exact = best_rows(logprobs, k)  # [R, k], [R]
         usable &= exact | torch.tensor([row_k == 0 for row_k in ks])
         id_lists, value_lists = ids.tolist(), logprobs.gather(1, ids).tolist()
         tops = [

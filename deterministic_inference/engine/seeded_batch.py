@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from deterministic_inference.engine.greedy_batch import RowResult, _best_rows, order_keys
+from deterministic_inference.engine.greedy_batch import RowResult, best_rows, order_keys
 from deterministic_inference.engine.sampling_params import SamplingParams
 
 # Columns per block of the candidate search: small blocks keep the upper set found near its needed size.
@@ -209,7 +209,7 @@ def seeded_rows(
     k = max(ks)
     best = torch.zeros((block.shape[0], 0), dtype=torch.int64)  # [R, k]
     if k > 0:
-        best, exact = _best_rows(logprobs, k)  # [R, k], [R]
+        best, exact = best_rows(logprobs, k)  # [R, k], [R]
         usable &= exact | torch.tensor([row_k == 0 for row_k in ks])
     rows = [r for r, ok in enumerate(usable.tolist()) if ok]
     results: list[RowResult | None] = [None] * block.shape[0]

@@ -68,13 +68,12 @@ class Linear:
         self.tile_rows = tile_rows
         self.batch_invariant = batch_invariant
         self.out_features, self.in_features = weight.shape
-        self._kernels = kernels if batch_invariant and weight.dtype == torch.bfloat16 else None
-        self._bias32: torch.Tensor | None = None
-        self._packed: torch.Tensor | None = None
-        if self._kernels is not None:
+        # native path: the kernels, the packed weight [ceil(N/16) * ceil(K/2) * 32] and the fp32 bias
+        self._native: tuple[NativeKernels, torch.Tensor, torch.Tensor | None] | None = None
+        if kernels is not None and batch_invariant and weight.dtype == torch.bfloat16:
             self.backend = "native"
-            self._packed = self._kernels.pack_bf16(weight.contiguous())
-            self._bias32 = None if bias is None else bias.float().contiguous()
+            bias32 = None if bias is None else bias.float().contiguous()
+            self._native = (kernels, kernels.pack_bf16(weight.contiguous()), bias32)
             return
         weight = weight.to(self.out_dtype)
         self.weight = weight.contiguous()
@@ -85,10 +84,9 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [M, in] -> [M, out] in `out_dtype`."""
-        if self._kernels is not None and self._packed is not None:
-            return self._kernels.gemm_bf16(
-                x.contiguous(), self._packed, self.out_features, self._bias32, self.out_dtype
-            )
+        if self._native is not None:
+            kernels, packed, bias32 = self._native
+            return kernels.gemm_bf16(x.contiguous(), packed, self.out_features, bias32, self.out_dtype)
         x = x.to(self.weight.dtype)
         if not self.batch_invariant:
             return F.linear(x, self.weight, self.bias)

@@ -1,9 +1,9 @@
 """Batch-invariant CPU ops: a row's result depends only on that row's data and on constants.
 
-Ops that differ from plain torch take `batch_invariant`; False switches to the plain torch op
-(benchmarks, negative controls). In invariant mode attention, the row-wise ops and the bf16
-GEMM run in compiled C (`native`, sources in `csrc/`);
-`selfcheck` probes the ops at a model's real shapes on this hardware.
+The model calls its ops through an ops backend (`backend.py`), picked once when the model is built:
+in invariant mode attention, the row-wise ops and the bf16 GEMM run in compiled C (`native`, sources
+in `csrc/`); `batch_invariant=False` selects plain torch ops (benchmarks, negative controls).
+`selfcheck` probes the ops (`probes.py`) at a model's real shapes on this hardware.
 """
 
 # Bumped whenever a change to these ops can change output bits (formulation, summation order), so the

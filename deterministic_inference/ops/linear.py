@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from deterministic_inference.ops.weights import StoredWeight, dense
 
 if TYPE_CHECKING:
     from deterministic_inference.ops.native import NativeKernels
@@ -38,8 +41,15 @@ def mkldnn_available(dtype: torch.dtype) -> bool:
     )
 
 
+LinearWeight = StoredWeight | Sequence[StoredWeight]  # one matrix, or several stacked by rows
+
+
 class Linear:
     """y = x W^T (+ b) whose rows do not depend on how many other rows share the call.
+
+    `weight` is one stored matrix [out, in] or several stacked by rows (q, k and v; gate and up): the
+    linear computes as if they were one matrix. Dense weights are cast to `dtype` (default: the first
+    part's dtype) when the linear is built.
 
     Why invariant: for bf16 weights with the compiled kernels (`kernels`, backend "native") every output
     is a fixed-order fp32 sum over its own row and column (ops/csrc/gemm.c), so no padding is needed.
@@ -49,13 +59,13 @@ class Linear:
     dot product of its own input with W. The start-up self-check proves either per machine at the
     model's shapes. With `batch_invariant=False` it is plain `F.linear`.
 
-    `out_dtype` (default: the weight's) may be fp32 for bf16 weights: the native GEMM then returns its
+    `out_dtype` (default: `dtype`) may be fp32 for bf16 weights: the native GEMM then returns its
     fp32 sums unrounded (the logits head); the other backends compute in fp32 on an fp32 copy of W.
     """
 
     def __init__(
         self,
-        weight: torch.Tensor,  # [out_features, in_features]
+        weight: LinearWeight,  # [out_features, in_features], or parts stacked by rows
         bias: torch.Tensor | None,  # [out_features]
         *,
         tile_rows: int,
@@ -63,22 +73,26 @@ class Linear:
         backend: str = "mkldnn",
         kernels: NativeKernels | None = None,
         out_dtype: torch.dtype | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
-        self.out_dtype = out_dtype or weight.dtype
+        parts = [weight] if isinstance(weight, torch.Tensor) else list(weight)
+        dtype = dtype or parts[0].dtype
+        dense_weight = _stack([dense(part, dtype) for part in parts])  # [N, K] in dtype
+        self.out_dtype = out_dtype or dtype
         self.tile_rows = tile_rows
         self.batch_invariant = batch_invariant
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = dense_weight.shape
+        bias = None if bias is None else bias.to(dtype)
         # native path: the kernels, the packed weight [ceil(N/16) * ceil(K/2) * 32] and the fp32 bias
         self._native: tuple[NativeKernels, torch.Tensor, torch.Tensor | None] | None = None
-        if kernels is not None and batch_invariant and weight.dtype == torch.bfloat16:
+        if kernels is not None and batch_invariant and dtype == torch.bfloat16:
             self.backend = "native"
             bias32 = None if bias is None else bias.float().contiguous()
-            self._native = (kernels, kernels.pack_bf16(weight.contiguous()), bias32)
+            self._native = (kernels, kernels.pack_bf16(dense_weight.contiguous()), bias32)
             return
-        weight = weight.to(self.out_dtype)
-        self.weight = weight.contiguous()
+        self.weight = dense_weight.to(self.out_dtype).contiguous()
         self.bias = None if bias is None else bias.to(self.out_dtype).contiguous()
-        use_mkldnn = backend == "mkldnn" and batch_invariant and mkldnn_available(weight.dtype)
+        use_mkldnn = backend == "mkldnn" and batch_invariant and mkldnn_available(self.weight.dtype)
         self.backend = "mkldnn" if use_mkldnn else "aten"
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None) if use_mkldnn else None
 
@@ -97,3 +111,8 @@ class Linear:
         else:
             out = F.linear(x_padded, self.weight, self.bias)
         return out[:num_rows]
+
+
+def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Dense parts [N_i, K] -> [sum N_i, K] (no copy for a single part)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -21,10 +21,11 @@ import torch.nn.functional as F
 
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache, write_kv
+from deterministic_inference.ops.backend import NativeBackend, Numerics
 from deterministic_inference.ops.native import ISA_FLAGS, NativeKernels, build, load
 from deterministic_inference.ops.norm import rms_norm
+from deterministic_inference.ops.probes import norm_fn, rotary_fn
 from deterministic_inference.ops.rope import RotaryTable
-from deterministic_inference.ops.selfcheck import _norm_fn, _rotary_fn, _silu_fn
 from tests.ops.helpers import (
     HEAD_DIM,
     HEADS,
@@ -198,14 +199,15 @@ def _row_probes(
     width, inter = spec.hidden_size, spec.intermediate_size
     weight = (1.0 + 0.1 * _randn(width, seed=10)).to(dtype)
     qkv_width = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    ops = NativeBackend(Numerics(dtype, True, 4), kernels)
     return {
-        "rms_norm": (_norm_fn(kernels, weight, EPS), _randn(4, 2 * width, seed=11).to(dtype)),
+        "rms_norm": (norm_fn(ops, weight, EPS), _randn(4, 2 * width, seed=11).to(dtype)),
         "rms_norm_no_residual": (
             lambda x: kernels.add_rms_norm(x.clone(), None, weight, EPS),
             _randn(4, width, seed=12).to(dtype),
         ),
-        "silu_mul": (_silu_fn(kernels, inter), silu_inputs(inter, dtype, seed=13)[:4]),
-        "rotary": (_rotary_fn(kernels, spec), _randn(4, qkv_width, seed=14).to(dtype)),
+        "silu_mul": (ops.silu_mul, silu_inputs(inter, dtype, seed=13)[:4]),
+        "rotary": (rotary_fn(ops, spec), _randn(4, qkv_width, seed=14).to(dtype)),
     }
 
 

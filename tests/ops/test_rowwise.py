@@ -1,4 +1,4 @@
-"""RMSNorm, silu_mul, rotary and exp: every output row is a function of that row's data only."""
+"""RMSNorm, rotary and exp (torch ops): every output row is a function of that row's data only."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deterministic_inference.ops.activation import silu_mul
 from deterministic_inference.ops.norm import rms_norm
 from deterministic_inference.ops.rope import RotaryTable
 from tests.ops.helpers import (
@@ -14,12 +13,10 @@ from tests.ops.helpers import (
     HEAD_DIM,
     HEADS,
     HIDDEN,
-    INTER,
     THREADS,
     TINY_HEAD_DIM,
     TINY_HEADS,
     TINY_HIDDEN,
-    TINY_INTER,
     bits,
     row_mismatches,
 )
@@ -50,39 +47,11 @@ def test_negative_control_rms_norm_in_bf16_differs() -> None:
     assert row_mismatches(bf16_norm, _rows(HIDDEN, torch.bfloat16, count=8), threads=1) != []
 
 
-def _mlp_layout(width: int, invariant: bool) -> object:
-    """silu_mul on slices of one fused gate_up output, as the model calls it."""
-    return lambda x: silu_mul(x[:, :width], x[:, width:], batch_invariant=invariant)
-
-
-def _contiguous(invariant: bool) -> object:
-    """silu_mul on a contiguous gate (up = gate): the layout where F.silu's scalar tail moves with M."""
-    return lambda x: silu_mul(x, x, batch_invariant=invariant)
-
-
-@pytest.mark.parametrize("threads", THREADS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("width", [INTER, TINY_INTER, 40])
-def test_silu_mul_is_row_invariant(width: int, dtype: torch.dtype, threads: int) -> None:
-    assert row_mismatches(_mlp_layout(width, True), _rows(2 * width, dtype, 3.0), threads) == []  # type: ignore[arg-type]
-    assert row_mismatches(_contiguous(True), _rows(width, dtype, 3.0), threads) == []  # type: ignore[arg-type]
-
-
 def test_negative_control_plain_silu_differs() -> None:
     """F.silu's vector body and scalar tail round differently; with a width that is not a multiple of 32
-    the tail moves with M and the same probe finds it."""
-    assert row_mismatches(_contiguous(False), _rows(40, torch.float32, 3.0, count=8), threads=1) != []  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_silu_mul_matches_f_silu(dtype: torch.dtype) -> None:
-    gate_up = _rows(2 * INTER, dtype, 3.0).repeat(5, 1)
-    gate, up = gate_up[:, :INTER], gate_up[:, INTER:]
-    out = silu_mul(gate, up)
-    assert out.dtype == dtype
-    torch.testing.assert_close(
-        out, F.silu(gate) * up, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5
-    )
+    the tail moves with M and the probe finds it (why invariant mode runs silu_mul in the compiled
+    kernel, tested in test_native_rowwise.py)."""
+    assert row_mismatches(lambda x: F.silu(x) * x, _rows(40, torch.float32, 3.0, count=8), threads=1) != []
 
 
 @pytest.mark.parametrize("threads", THREADS)
@@ -114,7 +83,7 @@ def test_rotary_equals_hf_rotate_half_bitwise(dtype: torch.dtype) -> None:
 
 
 def test_exp_scalar_and_vector_kernels_agree() -> None:
-    """silu_mul and attention rely on torch.exp giving the same bits in its scalar (strided input)
+    """Plain-mode ops rely on torch.exp giving the same bits in its scalar (strided input)
     and vectorised (contiguous input) kernels; F.silu and sigmoid do not (measured)."""
     values = torch.randn(1 << 18, 2, generator=torch.Generator().manual_seed(9)) * 12
     strided = values[:, 0]

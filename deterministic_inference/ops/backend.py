@@ -1,0 +1,239 @@
+"""The ops backend seam: the decoder is written once against `OpsBackend`; a backend is picked once,
+when the model is built, by `select_backend` (the one place that decides which kernels run).
+
+- `NativeBackend` (invariant mode): the compiled kernels of `ops/native.py` (attention, RMSNorm fused
+  with the residual add, silu_mul, rotary + KV write, the bf16 GEMM) and padded oneDNN GEMMs for fp32
+  weights. Every op's rows are invariant by construction; the start-up self-check proves it per machine.
+- `TorchBackend` (`batch_invariant=False`): plain torch ops, for benchmarks and the negative controls of
+  the tests. Its outputs may depend on the batch.
+
+A GPU backend would be a third class here. Per-token overhead matters (single-stream decode calls every
+op of every layer once per token), so the methods forward to the kernels with no extra work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from deterministic_inference.ops.attention import AttentionMetadata, paged_attention, write_kv
+from deterministic_inference.ops.linear import Linear, LinearWeight
+from deterministic_inference.ops.native import NativeKernels, native_kernels
+from deterministic_inference.ops.norm import rms_norm
+from deterministic_inference.ops.rope import RotaryTable
+from deterministic_inference.ops.weights import Embedding, StoredWeight
+
+# One layer's paged cache: (keys [blocks, KVH, D, block_size], values [blocks, KVH, block_size, D])
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How the ops compute: dtype, invariance switch and GEMM row tile."""
+
+    dtype: torch.dtype
+    batch_invariant: bool
+    tile_rows: int
+
+
+class OpsBackend(Protocol):
+    """The ops a decoder layer is written against. Activations are [T, width] in the model dtype."""
+
+    name: str
+    numerics: Numerics
+
+    def linear(self, weight: LinearWeight, bias: torch.Tensor | None = None) -> Linear:
+        """x [T, in] -> [T, out] in the model dtype; `weight` may stack several stored parts by rows."""
+        ...
+
+    def logits_head(self, weight: LinearWeight) -> Linear:
+        """hidden [R, hidden] -> fp32 logits [R, vocab]."""
+        ...
+
+    def embedding(self, weight: StoredWeight) -> Embedding:
+        """token ids [T] -> [T, hidden] (a fresh tensor the layers may update in place)."""
+        ...
+
+    def add_rms_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (RMSNorm(hidden + delta) * weight, hidden + delta): the residual add, then the norm."""
+        ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dimension (Qwen3's per-head q/k norms)."""
+        ...
+
+    def rotary_write_kv(
+        self,
+        qkv: torch.Tensor,  # [T, (H + 2 KVH) * D]
+        positions: torch.Tensor,  # [T] int64
+        rotary: RotaryTable,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        heads: int,
+    ) -> torch.Tensor:
+        """Rotate q and k by position, write k and v to their cache slots -> rotated q [T, H, D]."""
+        ...
+
+    def attention(
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """q [T, H, D] over each row's cached keys -> [T, H * D] in the model dtype."""
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]."""
+        ...
+
+
+class NativeBackend:
+    """Invariant mode: the compiled kernels (see the module docstring)."""
+
+    name = "native"
+
+    def __init__(self, numerics: Numerics, kernels: NativeKernels) -> None:
+        self.numerics = numerics
+        self.kernels = kernels
+
+    def linear(self, weight: LinearWeight, bias: torch.Tensor | None = None) -> Linear:
+        numerics = self.numerics
+        return Linear(
+            weight, bias, tile_rows=numerics.tile_rows, batch_invariant=True, kernels=self.kernels,
+            out_dtype=numerics.dtype, dtype=numerics.dtype,
+        )  # fmt: skip
+
+    def logits_head(self, weight: LinearWeight) -> Linear:
+        """fp32 sums of the model-dtype weight and hidden state (see Linear)."""
+        numerics = self.numerics
+        return Linear(
+            weight, None, tile_rows=numerics.tile_rows, batch_invariant=True, kernels=self.kernels,
+            out_dtype=torch.float32, dtype=numerics.dtype,
+        )  # fmt: skip
+
+    def embedding(self, weight: StoredWeight) -> Embedding:
+        return Embedding(weight, self.numerics.dtype)
+
+    def add_rms_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel adds `delta` into `hidden` in place (one rounding, like torch's add), then norms each
+        row with a fixed-order sum of squares over that row only."""
+        return self.kernels.add_rms_norm(hidden, delta, weight, eps), hidden
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """torch's fp32 whole-row reduction (invariant at every width measured; the self-check probes it)."""
+        return rms_norm(x, weight, eps)
+
+    def rotary_write_kv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryTable,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        heads: int,
+    ) -> torch.Tensor:
+        """Elementwise per token (rotation read by absolute position): invariant; q comes back fp32."""
+        return self.kernels.rotary_write_kv(
+            qkv, positions, rotary.cos, rotary.sin, meta.write_blocks, meta.write_offsets,
+            kv_cache[0], kv_cache[1], heads,
+        )  # fmt: skip
+
+    def attention(
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """The compiled kernel: each row alone over its own keys in a source-fixed order."""
+        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, scale=scale, kernels=self.kernels)
+        return out.to(self.numerics.dtype).reshape(q.shape[0], -1)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Elementwise in fp32 with the kernels' own exp: each element a function of its inputs only."""
+        return self.kernels.silu_mul(gate_up)
+
+
+class TorchBackend:
+    """`batch_invariant=False`: plain torch ops (not reproducible across batches)."""
+
+    name = "torch"
+
+    def __init__(self, numerics: Numerics) -> None:
+        self.numerics = numerics
+
+    def linear(self, weight: LinearWeight, bias: torch.Tensor | None = None) -> Linear:
+        numerics = self.numerics
+        return Linear(
+            weight, bias, tile_rows=numerics.tile_rows, batch_invariant=False, out_dtype=numerics.dtype,
+            dtype=numerics.dtype,
+        )  # fmt: skip
+
+    def logits_head(self, weight: LinearWeight) -> Linear:
+        numerics = self.numerics
+        return Linear(
+            weight, None, tile_rows=numerics.tile_rows, batch_invariant=False, out_dtype=torch.float32,
+            dtype=numerics.dtype,
+        )  # fmt: skip
+
+    def embedding(self, weight: StoredWeight) -> Embedding:
+        return Embedding(weight, self.numerics.dtype)
+
+    def add_rms_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if delta is not None:
+            hidden = hidden + delta
+        return rms_norm(hidden, weight, eps), hidden
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def rotary_write_kv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryTable,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        heads: int,
+    ) -> torch.Tensor:
+        """rotary.apply in the model dtype (HF's rounding), then index_put into the cache."""
+        tokens = qkv.shape[0]
+        kv_heads, dim = kv_cache[0].shape[1], kv_cache[0].shape[2]
+        q, k, v = split_heads(qkv, tokens, (heads, kv_heads, dim))
+        q = rotary.apply(q, positions)
+        write_kv(kv_cache[0], kv_cache[1], rotary.apply(k, positions), v, meta)
+        return q
+
+    def attention(
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """SDPA per sequence over its cached keys (fp32 inside), rounded to the model dtype."""
+        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, scale=scale, kernels=None)
+        return out.to(self.numerics.dtype).reshape(q.shape[0], -1)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        inter = gate_up.shape[1] // 2
+        return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
+def split_heads(
+    qkv: torch.Tensor, tokens: int, shape: tuple[int, int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, (H + 2*KVH) * D] -> q [T, H, D], k [T, KVH, D], v [T, KVH, D] (views); shape = (H, KVH, D)."""
+    heads, kv_heads, dim = shape
+    q_size, kv_size = heads * dim, kv_heads * dim
+    q = qkv[:, :q_size].reshape(tokens, heads, dim)
+    k = qkv[:, q_size : q_size + kv_size].reshape(tokens, kv_heads, dim)
+    v = qkv[:, q_size + kv_size :].reshape(tokens, kv_heads, dim)
+    return q, k, v
+
+
+def select_backend(numerics: Numerics, kernels: NativeKernels | None = None) -> OpsBackend:
+    """The backend for `numerics`: the compiled kernels in invariant mode (`kernels`, default this
+    process's build; raises NativeBuildError without a compiler), plain torch otherwise."""
+    if numerics.batch_invariant:
+        return NativeBackend(numerics, kernels if kernels is not None else native_kernels())
+    return TorchBackend(numerics)

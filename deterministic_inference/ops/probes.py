@@ -1,0 +1,284 @@
+"""The self-check's probes: every op of the model at its real shapes, through the model's own ops
+backend (random weights and inputs from a fixed seed; `selfcheck.run_selfcheck` runs them).
+
+- row ops (linears incl. the fp32-output logits head, RMSNorm, silu_mul, rotary): a row computed alone
+  with one thread vs the same row inside batches of several sizes, at the first, a middle and the last
+  position, among random neighbours, with the configured thread count;
+- exp: torch's scalar and vectorised kernels agree;
+- attention: every query row of a sequence computed in one prefill vs in chunks of 7 and 16, as a
+  one-row decode alone, decoded in a group with longer and shorter sequences, and prefilled beside
+  another sequence's chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache, write_kv
+from deterministic_inference.ops.backend import Numerics, OpsBackend, select_backend
+from deterministic_inference.ops.rope import RotaryTable
+
+PROBE_ROWS = 4  # random rows probed per row op (whether a kernel differs can depend on the data)
+BLOCK_SIZE = 16  # KV-cache block size of the attention probe (the engine's default)
+RowFn = Callable[[torch.Tensor], torch.Tensor]  # [M, K] -> [M, N]
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One probe: the op, its shape, whether every compared row was bitwise equal, and what was run."""
+
+    op: str
+    shape: str
+    ok: bool
+    detail: str
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run a block with `count` torch threads, then restore the previous count."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def raw_bits(x: torch.Tensor) -> torch.Tensor:
+    """Raw bits, so -0.0 != +0.0 and NaN payloads count (torch.equal on floats would hide them)."""
+    x = x.contiguous()
+    return x.view(torch.int16) if x.element_size() == 2 else x.view(torch.int32)
+
+
+def batch_sizes(tile_rows: int, largest: int = 64) -> tuple[int, ...]:
+    """Row counts around the padding granularity T (T-1, T+1, 2T+3), small ones, and a large one."""
+    return tuple(sorted({2, 3, tile_rows - 1, tile_rows + 1, 2 * tile_rows + 3, largest} - {0, 1}))
+
+
+def row_probe(
+    op: str,
+    shape: str,
+    fn: RowFn,
+    inputs: torch.Tensor,  # [R, K] probe rows
+    sizes: tuple[int, ...],
+    threads: int,
+    generator: torch.Generator,
+) -> ProbeResult:
+    """Rows of `inputs` alone (one thread) vs inside a random batch of each size, probe rows placed at
+    the first, a middle and the last position (one call per size)."""
+    width, count = inputs.shape[1], inputs.shape[0]
+    with torch_threads(1):
+        references = [raw_bits(fn(inputs[i : i + 1]))[0] for i in range(count)]
+    for size in sizes:
+        batch = torch.randn(size, width, generator=generator).to(inputs.dtype)
+        placed = {position: (size + k) % count for k, position in enumerate((0, size // 2, size - 1))}
+        for position, row in placed.items():
+            batch[position] = inputs[row]
+        out = raw_bits(fn(batch))
+        for position, row in placed.items():
+            if not torch.equal(out[position], references[row]):
+                detail = f"row differs at M={size} position {position}, {threads} threads"
+                return ProbeResult(op, shape, False, detail)
+    listed = ",".join(str(size) for size in sizes)
+    return ProbeResult(op, shape, True, f"{count} rows in batches of M={listed}, {threads} threads")
+
+
+def linear_probes(
+    spec: ModelSpec, ops: OpsBackend, threads: int, generator: torch.Generator
+) -> list[ProbeResult]:
+    """Each distinct dense linear of the model (fused qkv, o, fused gate_up, down) and the fp32 logits
+    head, built by the model's backend from random weights of the real shapes."""
+    q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    shapes = {
+        "qkv": (q_size + 2 * kv_size, spec.hidden_size, spec.attention_bias),
+        "o_proj": (spec.hidden_size, q_size, False),
+        "gate_up": (2 * spec.intermediate_size, spec.hidden_size, False),
+        "down": (spec.hidden_size, spec.intermediate_size, False),
+        "lm_head": (spec.vocab_size, spec.hidden_size, False),
+    }
+    results, dtype, tile_rows = [], ops.numerics.dtype, ops.numerics.tile_rows
+    for name, (out_features, in_features, has_bias) in shapes.items():
+        weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
+        bias = torch.randn(out_features, generator=generator).to(dtype) if has_bias else None
+        linear = ops.logits_head(weight) if name == "lm_head" else ops.linear(weight, bias)
+        rows = torch.randn(PROBE_ROWS, in_features, generator=generator).to(dtype)
+        tile = "" if linear.backend == "native" else f" T={tile_rows}"
+        types = f"{dtype_name(dtype)}->{dtype_name(linear.out_dtype)}"
+        label = f"{name} {in_features}->{out_features} {types} {linear.backend}{tile}"
+        sizes = batch_sizes(tile_rows, 33 if name == "lm_head" else 64)
+        results.append(row_probe("linear", label, linear, rows, sizes, threads, generator))
+    return results
+
+
+def elementwise_probes(
+    spec: ModelSpec, ops: OpsBackend, threads: int, generator: torch.Generator
+) -> list[ProbeResult]:
+    """RMSNorm with the residual add (and, for qk-norm models, the head-width norm), silu_mul and rotary
+    with the KV write, as the model's backend computes them."""
+    dtype, name = ops.numerics.dtype, dtype_name(ops.numerics.dtype)
+    sizes = batch_sizes(ops.numerics.tile_rows)
+    width, inter = spec.hidden_size, spec.intermediate_size
+    weight = (1.0 + 0.1 * torch.randn(width, generator=generator)).to(dtype)
+    probes: dict[str, tuple[RowFn, torch.Tensor]] = {
+        f"rms_norm [M, {width}] {name}": (
+            norm_fn(ops, weight, spec.rms_norm_eps),
+            _rows(2 * width, dtype, generator),
+        ),
+        f"silu_mul [M, {inter}] {name}": (ops.silu_mul, 3 * _rows(2 * inter, dtype, generator)),
+        f"rotary [M, qkv {spec.num_heads}+2x{spec.num_kv_heads}x{spec.head_dim}] {name}": (
+            rotary_fn(ops, spec),
+            _rows((spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim, dtype, generator),
+        ),
+    }
+    if spec.qk_norm:
+        head_weight = (1.0 + 0.1 * torch.randn(spec.head_dim, generator=generator)).to(dtype)
+        probes[f"rms_norm [M, {spec.head_dim}] {name}"] = (
+            lambda x: ops.rms_norm(x, head_weight, spec.rms_norm_eps),
+            _rows(spec.head_dim, dtype, generator),
+        )
+    results = []
+    for label, (fn, rows) in probes.items():
+        op, shape = label.split(" ", 1)
+        results.append(row_probe(op, shape, fn, rows, sizes, threads, generator))
+    return results
+
+
+def _rows(width: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(PROBE_ROWS, width, generator=generator).to(dtype)
+
+
+def norm_fn(ops: OpsBackend, weight: torch.Tensor, eps: float) -> RowFn:
+    """[M, 2W] rows = (hidden, delta) -> [M, 2W] = (normed, hidden + delta)."""
+    width = weight.shape[0]
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        hidden, delta = x[:, :width].clone(), x[:, width:].contiguous()  # the kernel adds in place
+        normed, hidden = ops.add_rms_norm(hidden, delta, weight, eps)
+        return torch.cat((normed, hidden), dim=1)
+
+    return norm
+
+
+def rotary_fn(ops: OpsBackend, spec: ModelSpec) -> RowFn:
+    """[M, qkv width] rows -> [M, ...] = (rotated q, rotated k and v as read back from a cache); the
+    position is a function of the row's own data."""
+    heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    rotary = RotaryTable(dim, spec.rope_theta, 4096, spec.rope_scaling)
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
+        positions = (x[:, 0].float().abs() * 1000).long() % 4096
+        k_cache, v_cache = new_kv_cache(tokens, 1, kv_heads, dim, x.dtype)
+        meta = AttentionMetadata.build([(0, 1, [t]) for t in range(tokens)], block_size=1)
+        q = ops.rotary_write_kv(x.contiguous(), positions, rotary, meta, (k_cache, v_cache), heads).to(
+            x.dtype
+        )
+        return torch.cat(
+            (q.reshape(tokens, -1), k_cache.reshape(tokens, -1), v_cache.reshape(tokens, -1)), dim=1
+        )
+
+    return rope
+
+
+def exp_probe(generator: torch.Generator) -> ProbeResult:
+    """torch.exp's scalar kernel (strided input) vs its vectorised kernel (contiguous input)."""
+    values = torch.randn(1 << 16, 2, generator=generator) * 12
+    strided, contiguous = values[:, 0], values[:, 0].contiguous()
+    differ = int((raw_bits(torch.exp(strided)) != raw_bits(torch.exp(contiguous))).sum())
+    detail = f"{differ} of {strided.numel()} values differ" if differ else f"{strided.numel()} values equal"
+    return ProbeResult("exp", "scalar vs vector kernel fp32", differ == 0, detail)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """fp32 / bf16 (other dtypes by torch's name)."""
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+
+
+class AttentionWorld:
+    """Random K/V of a few sequences written to scattered cache blocks, and random queries for every
+    position, in the engine's cache layout (also used by the attention tests)."""
+
+    def __init__(
+        self,
+        shape: tuple[int, int, int],  # (heads, kv_heads, head_dim)
+        dtype: torch.dtype,
+        lengths: list[int],
+        generator: torch.Generator,
+        block_size: int = BLOCK_SIZE,
+    ) -> None:
+        heads, kv_heads, head_dim = shape
+        self.dtype = dtype
+        self.block_size = block_size
+        per_seq = [-(-length // block_size) for length in lengths]
+        self.k_cache, self.v_cache = new_kv_cache(sum(per_seq) + 1, block_size, kv_heads, head_dim, dtype)
+        order = torch.randperm(sum(per_seq) + 1, generator=generator).tolist()
+        self.tables = []
+        for count, length in zip(per_seq, lengths, strict=True):
+            self.tables.append(order[:count])
+            order = order[count:]
+            keys, values = (
+                torch.randn(length, kv_heads, head_dim, generator=generator).to(dtype) for _ in "kv"
+            )
+            meta = AttentionMetadata.build([(0, length, self.tables[-1])], block_size)
+            write_kv(self.k_cache, self.v_cache, keys, values, meta)
+        self.queries = [
+            (2 * torch.randn(length, heads, head_dim, generator=generator)).to(dtype) for length in lengths
+        ]
+
+    def run(
+        self, items: list[tuple[int, int, int]], batch_invariant: bool
+    ) -> dict[tuple[int, int], torch.Tensor]:
+        """One step of (sequence, start, n) items through the backend of `batch_invariant` ->
+        {(sequence, position): output row [heads, head_dim] in the world's dtype}."""
+        meta = AttentionMetadata.build(
+            [(start, n, self.tables[seq]) for seq, start, n in items], self.block_size
+        )
+        q = torch.cat([self.queries[seq][start : start + n] for seq, start, n in items])  # [T, H, D]
+        ops = select_backend(Numerics(self.dtype, batch_invariant, 4))
+        out = ops.attention(q, (self.k_cache, self.v_cache), meta, q.shape[-1] ** -0.5).view(q.shape)
+        rows = {}
+        for seq_rows, (seq, start, n) in zip(meta.sequences, items, strict=True):
+            for r in range(n):
+                rows[(seq, start + r)] = out[seq_rows.first_row + r]
+        return rows
+
+
+def attention_probe(
+    spec: ModelSpec, ops: OpsBackend, threads: int, generator: torch.Generator
+) -> ProbeResult:
+    """Sequence 0's rows: one prefill (one thread) vs chunks, decode alone, decode and prefill beside
+    other sequences."""
+    length = 2 * 64 + 7
+    shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    numerics = ops.numerics
+    world = AttentionWorld(shape, numerics.dtype, [length, 3 * 64 + 1, 5], generator)
+    with torch_threads(1):
+        reference = world.run([(0, 0, length)], numerics.batch_invariant)
+    positions = sorted({0, 1, 15, 16, 17, 63, 64, 65, 128, length - 1})
+    plans: dict[str, list[list[tuple[int, int, int]]]] = {
+        f"chunks of {size}": [[(0, s, min(size, length - s))] for s in range(0, length, size)]
+        for size in (7, 16)
+    }
+    plans["decode alone"] = [[(0, p, 1)] for p in positions]
+    plans["decode beside others"] = [[(1, 3 * 64, 1), (0, p, 1), (2, 4, 1)] for p in positions]
+    plans["prefill beside another sequence"] = [[(1, 3 * 64 + 1 - length, length), (0, 0, length), (2, 0, 5)]]
+    label = f"heads {spec.num_heads}/{spec.num_kv_heads}x{spec.head_dim} {dtype_name(numerics.dtype)}"
+    compared = 0
+    for name, plan in plans.items():
+        for items in plan:
+            for (seq, position), row in world.run(items, numerics.batch_invariant).items():
+                if seq != 0:
+                    continue
+                compared += 1
+                if not torch.equal(raw_bits(row), raw_bits(reference[(0, position)])):
+                    detail = (
+                        f"{name}: position {position} differs from the one-thread prefill, {threads} threads"
+                    )
+                    return ProbeResult("attention", label, False, detail)
+    detail = f"{compared} rows equal across prefill, {', '.join(plans)}; {threads} threads"
+    return ProbeResult("attention", label, True, detail)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from deterministic_inference.config import DTYPES, EngineConfig
+from deterministic_inference.config import DTYPES, QUANTIZATIONS, EngineConfig, parse_bytes
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -14,12 +14,24 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)"
     )
     group.add_argument("--dtype", default="auto", choices=DTYPES, help="weights/activations dtype")
+    group.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="auto: GGUF weights as stored, HF in --dtype; none: dequantise all to --dtype; q8_0: quantize "
+        "float weights to Q8_0 at load",
+    )
     group.add_argument("--no-batch-invariant", action="store_true", help="plain torch ops (not reproducible)")
     group.add_argument("--no-prefix-cache", action="store_true", help="disable automatic prefix caching")
     group.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     group.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--num-kv-blocks", type=int, default=None)
+    group.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
+    group.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="KV pool cap: bytes or a size like 2GiB, 512MiB (default 2GiB; memory is used as blocks fill)",
+    )
     group.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     group.add_argument("--default-seed", type=int, default=0, help="seed of requests that give none")
     group.add_argument("--no-selfcheck", action="store_true", help="skip the start-up invariance probes")
@@ -30,12 +42,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         batch_invariant=not args.no_batch_invariant,
         enable_prefix_caching=not args.no_prefix_cache,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=None if args.kv_cache_memory is None else parse_bytes(args.kv_cache_memory),
         threads=args.threads,
         seed=args.default_seed,
         selfcheck=not args.no_selfcheck,

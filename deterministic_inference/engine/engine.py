@@ -62,7 +62,9 @@ class Engine:
             self.selfcheck_report = run_selfcheck(self.spec, self.model.numerics, config.threads)
             self.selfcheck_report.raise_if_failed()
         self.model_digest = artifacts_digest(self.loaded.artifacts)
-        self.fingerprint = fingerprint.engine_fingerprint(self.model_digest, config.numerics(self.dtype_name))
+        self.fingerprint = fingerprint.engine_fingerprint(
+            self.model_digest, config.numerics(self.dtype_name, self.model.weight_formats)
+        )
         self.system_fingerprint = fingerprint.system_fingerprint(self.fingerprint)
         num_blocks = choose_num_kv_blocks(config, self.spec, self.max_model_len, self.dtype_name)
         self.kv = KVCacheManager(

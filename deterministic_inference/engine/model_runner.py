@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from deterministic_inference.engine.kv_memory import lazy_kv_caches
 from deterministic_inference.engine.plan import StepPlan
 from deterministic_inference.model.llama import DecoderModel, LayerHook
-from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache
+from deterministic_inference.ops.attention import AttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -30,11 +31,11 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         dtype = model.numerics.dtype
-        # kv_caches[layer] = (keys [blocks, KVH, D, block_size], values [blocks, KVH, block_size, D])
-        self.kv_caches = [
-            new_kv_cache(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype)
-            for _ in model.layers
-        ]
+        # kv_caches[layer] = (keys [blocks, KVH, D, block_size], values [blocks, KVH, block_size, D]);
+        # resident only where written (see kv_memory)
+        self.kv_caches = lazy_kv_caches(
+            len(model.layers), num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype
+        )
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         """Builds input ids, positions and the attention metadata (block tables) for a plan."""

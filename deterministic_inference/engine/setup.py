@@ -8,6 +8,8 @@ import ctypes.util
 import torch
 
 from deterministic_inference.config import EngineConfig
+from deterministic_inference.engine.kv_memory import kv_block_bytes
+from deterministic_inference.errors import ConfigError
 from deterministic_inference.fingerprint import hardware_fingerprint
 from deterministic_inference.model.llama import DecoderModel, Numerics
 from deterministic_inference.model.loader import LoadedModel
@@ -15,7 +17,7 @@ from deterministic_inference.model.spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-DEFAULT_KV_CACHE_BYTES = 2 << 30  # KV memory when num_kv_blocks is not set
+DEFAULT_KV_CACHE_BYTES = 2 << 30  # KV pool cap when neither num_kv_blocks nor kv_cache_memory is set
 # glibc mallopt parameters and the values the engine sets (see keep_freed_memory)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD = 32 << 20  # glibc's largest accepted value on 64-bit
@@ -69,10 +71,18 @@ def build_model(
 
 
 def choose_num_kv_blocks(config: EngineConfig, spec: ModelSpec, max_model_len: int, dtype_name: str) -> int:
-    """Configured block count, else as many as fit DEFAULT_KV_CACHE_BYTES, at least one full context."""
-    one_context = -(-max_model_len // config.kv_block_size) + 1
+    """The pool's block count: `num_kv_blocks` when set; else as many blocks as fit `kv_cache_memory`
+    (ConfigError when not even one does); else as many as fit DEFAULT_KV_CACHE_BYTES, at least one full
+    context. The pool is address space: memory becomes resident as blocks are used (kv_memory)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    element_bytes = 2 if dtype_name == "bfloat16" else 4
-    per_block = 2 * spec.num_layers * config.kv_block_size * spec.num_kv_heads * spec.head_dim * element_bytes
+    per_block = kv_block_bytes(spec, config.kv_block_size, DTYPES[dtype_name])
+    if config.kv_cache_memory is not None:
+        if config.kv_cache_memory < per_block:
+            raise ConfigError(
+                f"kv_cache_memory: {config.kv_cache_memory} bytes hold no KV block of this model "
+                f"({per_block} bytes for {config.kv_block_size} tokens); raise it"
+            )
+        return config.kv_cache_memory // per_block
+    one_context = -(-max_model_len // config.kv_block_size) + 1
     return max(one_context, DEFAULT_KV_CACHE_BYTES // per_block)

@@ -100,6 +100,8 @@ class DecoderModel:
         # Logits in fp32 whatever the model dtype: fp32 sums of the model-dtype weight and hidden state.
         self.lm_head = self.ops.logits_head(head)
         self.rotary = RotaryTable(spec.head_dim, spec.rope_theta, max_positions, spec.rope_scaling)
+        # tensor name -> the format the backend computes it in (the fingerprint's numerics)
+        self.weight_formats = {name: self.ops.weight_format(w) for name, w in sorted(weights.items())}
 
     def forward(
         self,

@@ -14,9 +14,9 @@ StoredWeight = torch.Tensor  # [rows, cols] dense
 _DENSE_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
-def weight_format(weight: StoredWeight) -> str:
-    """The weight's storage format: "f32", "bf16" or "f16"."""
-    return _DENSE_FORMATS[weight.dtype]
+def dtype_format(dtype: torch.dtype) -> str:
+    """The format name of a dense dtype: "f32", "bf16" or "f16"."""
+    return _DENSE_FORMATS[dtype]
 
 
 def dense(weight: StoredWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -53,7 +53,7 @@ def sampling_params_for(request: dict[str, Any], logprobs: int | None) -> Any:
 
 def engine_config_for(manifest: dict[str, Any], location: ModelLocation) -> Any:
     """EngineConfig from a resolved manifest."""
-    from deterministic_inference.config import EngineConfig
+    from deterministic_inference.config import EngineConfig, parse_bytes
 
     engine, batching = manifest["engine"], manifest["inference"]["batching"]
     return EngineConfig(
@@ -63,6 +63,8 @@ def engine_config_for(manifest: dict[str, Any], location: ModelLocation) -> Any:
         linear_tile_rows=engine["linear_tile_rows"],
         kv_block_size=engine["kv_block_size"],
         num_kv_blocks=engine["num_kv_blocks"],
+        kv_cache_memory=None if engine["kv_cache_memory"] is None else parse_bytes(engine["kv_cache_memory"]),
+        quantization=engine["quantization"],
         max_model_len=engine["max_model_len"],
         max_num_seqs=batching["max_num_seqs"],
         max_num_batched_tokens=batching["max_num_batched_tokens"],

@@ -66,8 +66,22 @@ def digest_json(value: Any) -> str:
     return digest_bytes(canonical_bytes(value))
 
 
+# Engine fields added after schema version 1, with their defaults: they count in a manifest's id only when
+# they differ from the default, so manifests (and the locks and run directories made for them) from
+# before keep their ids.
+LATER_ENGINE_DEFAULTS: dict[str, Any] = {"kv_cache_memory": None, "quantization": "auto"}
+
+
 def manifest_id(manifest: dict[str, Any]) -> str:
-    """Id of a resolved manifest."""
+    """Id of a resolved manifest (later-added engine fields left out while at their defaults)."""
+    engine = manifest.get("engine")
+    if isinstance(engine, dict):
+        kept = {
+            key: value
+            for key, value in engine.items()
+            if key not in LATER_ENGINE_DEFAULTS or value != LATER_ENGINE_DEFAULTS[key]
+        }
+        manifest = {**manifest, "engine": kept}
     return digest_json(manifest)
 
 

@@ -53,6 +53,8 @@ def defaults() -> dict[str, Any]:
             "seed": 0,
             "max_model_len": None,
             "num_kv_blocks": None,
+            "kv_cache_memory": None,
+            "quantization": "auto",
             "selfcheck": True,
         },
         "inference": {
@@ -131,7 +133,7 @@ class Manifest:
 
     @property
     def manifest_id(self) -> str:
-        """sha256 of the canonical resolved manifest."""
+        """sha256 of the canonical resolved manifest (see `canonical.manifest_id`)."""
         return manifest_id(self.data)
 
     @property
@@ -275,6 +277,12 @@ def _check_cross_fields(data: dict[str, Any], where: str) -> None:
             f"{where}: $.inference.n_prompts: {inference['n_prompts']} is more than the "
             f"{REFERENCE_DATASET_SIZE} reference prompts; "
             f"fix: use an integer between 1 and {REFERENCE_DATASET_SIZE}"
+        )
+    engine = data["engine"]
+    if engine["num_kv_blocks"] is not None and engine["kv_cache_memory"] is not None:
+        raise WorkflowError(
+            f"{where}: $.engine.kv_cache_memory: num_kv_blocks also sizes the KV pool; "
+            "fix: set only one of them (the other null)"
         )
     source_type = data["model"]["source"]["type"]
     backend = data["runtime"]["execution"]["backend"]

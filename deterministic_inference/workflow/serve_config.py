@@ -53,6 +53,8 @@ def apply_manifest(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
         "max_num_batched_tokens": batching["max_num_batched_tokens"],
         "max_model_len": engine["max_model_len"],
         "num_kv_blocks": engine["num_kv_blocks"],
+        "kv_cache_memory": engine["kv_cache_memory"],
+        "quantization": engine["quantization"],
         "threads": data["runtime"]["threads"],
         "default_seed": engine["seed"],
         "no_selfcheck": not engine["selfcheck"],

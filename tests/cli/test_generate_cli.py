@@ -85,3 +85,23 @@ def test_bad_input_is_one_line_and_nonzero(tiny_llama_dir: TinyModel, tmp_path: 
         assert result.returncode != 0
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0], result.stderr
+
+
+def test_kv_cache_memory_and_quantization_options(tiny_llama_dir: TinyModel) -> None:
+    """Sizes with units are accepted; bad sizes, both pool sizes, and unknown formats are one line."""
+    base = ("generate", "--model", str(tiny_llama_dir.path), "--prompt", "hi", "--max-tokens", "3",
+            "--dtype", "float32", "--no-selfcheck", "--json")  # fmt: skip
+    capped = detinf(*base, "--kv-cache-memory", "64MiB", "--quantization", "none")
+    plain = detinf(*base)
+    assert capped.returncode == 0 and plain.returncode == 0, capped.stderr
+    assert json.loads(capped.stdout)["outputs"] == json.loads(plain.stdout)["outputs"]
+    for args, needle in [
+        (("--kv-cache-memory", "lots"), "kv_cache_memory: 'lots' is not a size"),
+        (("--kv-cache-memory", "10"), "kv_cache_memory: 10 bytes hold no KV block"),
+        (("--kv-cache-memory", "1GiB", "--num-kv-blocks", "8"), "set only one"),
+    ]:
+        result = detinf(*base, *args)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and needle in lines[0], result.stderr
+    wrong = detinf(*base, "--quantization", "q4_0")
+    assert wrong.returncode == 2 and "--quantization" in wrong.stderr

@@ -40,6 +40,9 @@ BAD_MANIFESTS = [
     ("bad source", {"model": {"source": {"type": "path"}}}, "$.model.source: {'type': 'path'} matches none"),
     ("missing name", {"metadata": {}}, "$.metadata.name: required field is missing"),
     ("tile rows zero", {"engine": {"linear_tile_rows": 0}}, "$.engine.linear_tile_rows"),
+    ("bad quantization", {"engine": {"quantization": "q4_0"}}, "$.engine.quantization: 'q4_0' is not"),
+    ("bad kv size", {"engine": {"kv_cache_memory": "2 parsecs"}}, "$.engine.kv_cache_memory"),
+    ("two kv sizes", {"engine": {"kv_cache_memory": "1GiB", "num_kv_blocks": 8}}, "set only one"),
 ]
 
 
@@ -127,6 +130,18 @@ inference:
     json_doc["runtime"] = {"network_policy": "offline_required"}
     assert load_manifest(write_json(tmp_path / "m.json", json_doc)).manifest_id == from_yaml.manifest_id
     assert from_yaml.default_lock_path().name == "m.lock.json"
+
+
+def test_later_engine_fields_keep_old_ids_at_their_defaults(tmp_path: Path) -> None:
+    """quantization and kv_cache_memory came after schema version 1: a manifest without them (as
+    written before) and one spelling out their defaults share the id; other values change it."""
+    old = load_manifest(write_json(tmp_path / "old.json", minimal()))
+    assert old.data["engine"]["quantization"] == "auto" and old.data["engine"]["kv_cache_memory"] is None
+    spelled = minimal(engine={"quantization": "auto", "kv_cache_memory": None})
+    assert load_manifest(write_json(tmp_path / "spelled.json", spelled)).manifest_id == old.manifest_id
+    for engine in ({"quantization": "none"}, {"kv_cache_memory": "2GiB"}, {"kv_cache_memory": 4096}):
+        changed = load_manifest(write_json(tmp_path / "changed.json", minimal(engine=engine)))
+        assert changed.manifest_id != old.manifest_id, engine
 
 
 def test_changed_setting_changes_the_id(tmp_path: Path) -> None:

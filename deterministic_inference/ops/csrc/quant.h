@@ -1,0 +1,214 @@
+/* Quantized-weight GEMM of deterministic-inference: shared definitions (quant_act.c, quant_unpack.c,
+   quant_gemm.c, quant_kernels.c, quant_convert.c).
+
+   out[m, n] = sum over k of x[m, k] * w[n, k] (+ bias[n]), w kept in its GGUF block format (Q8_0, Q4_0,
+   Q4_1, Q5_0, Q5_1: blocks of 32 values; Q4_K, Q5_K, Q6_K: super-blocks of 256), read in place.
+
+   ACTIVATIONS. Each row of x (fp32, or bf16 read exactly as fp32) is quantized by itself, block by block
+   (32 values for the 32-value formats, 256 for the K formats), never with a scale from another row:
+     amax = the largest |x_i| of the block, taken on the bit patterns (exact, order free);
+     amax = +inf or NaN: d = NaN, every q_i = 0 (so the output is NaN);
+     amax < 2^-120 (0 included): d = 0, every q_i = 0 (so that 127 / amax cannot overflow);
+     else d = amax / 127 (one fp32 division), s = 127 / amax (one fp32 division),
+          q_i = x_i * s (one fp32 product) rounded to the nearest integer, ties to even (|q_i| <= 127).
+   Integer sums of q over every 32 values (and every 16 values for the K formats) come along.
+
+   WEIGHTS. Their integers are those of the format; their scales are fp16 numbers converted exactly.
+
+   ONE OUTPUT, the fixed float sequence (every code path performs exactly these IEEE fp32 operations;
+   fmaf = one rounding of a*b+c; (float)i = int32 -> fp32 rounding to nearest even):
+     acc = +0
+     32-value formats, blocks b = 0, 1, ... ascending (d_b, m_b the weight block's scale and min,
+     dx_b, sx_b the activation block's scale and sum of q, isum_b = the exact int32 sum of
+     w_int * q over the block with w_int = q8 (Q8_0), q4 - 8 (Q4_0), q5 - 16 (Q5_0), q4 (Q4_1), q5 (Q5_1)):
+         acc = fmaf(d_b * dx_b, (float)isum_b, acc)
+         Q4_1, Q5_1 only:  acc = fmaf(m_b * dx_b, (float)sx_b, acc)
+     K formats, super-blocks s = 0, 1, ... ascending (dx_s the activation super-block's scale):
+       Q4_K, Q5_K (d, dmin fp16; sc_j, m_j the 6-bit scale and min of the 32-value sub-block j):
+         isum = sum_j sc_j * (sum over sub-block j of q_w * q_x),  msum = sum_j m_j * (sum of q_x in j)
+         acc = fmaf(d * dx_s, (float)isum, acc);  acc = fmaf(-(dmin * dx_s), (float)msum, acc)
+       Q6_K (d fp16; sc_j the int8 scale of the 16-value sub-block j; weights q6 - 32):
+         isum = sum_j sc_j * (sum over sub-block j of (q6 - 32) * q_x)
+         acc = fmaf(d * dx_s, (float)isum, acc)
+     out = acc, or acc + bias[n] (one fp32 add); a NaN becomes the quiet NaN 0x7FC00000; a bf16 output
+     is then rounded to nearest even.
+   Every integer sum is exact in int32 (|isum| < 2^28 for every format), so the order in which a code path
+   adds the integer products does not matter; the float operations above are all that round. Nothing
+   depends on m, the row's position, the other rows, the thread or the ISA: columns are shared out in
+   panels of 16, each output computed whole by one thread in the order above.
+
+   Build paths: AVX512-VNNI (VPDPBUSD), AVX2 (VPMADDUBSW emulation, exact), portable C (fmaf). The bits
+   are the same; tests build all three and compare. */
+
+#ifndef DETINF_QUANT_H
+#define DETINF_QUANT_H
+
+#include "common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define DETINF_Q_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define DETINF_Q_AVX2 1
+#endif
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* ggml type ids of the supported block formats */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+#define QCOLS 16       /* output columns per unpacked half panel */
+#define ACC_COLS 32    /* output columns per panel (two halves): a panel's running sums are [rows][32] */
+#define UNIT 32        /* values per unit: one 32-value block, or one sub-block of a K super-block */
+#define SUPER 256      /* values per K super-block */
+#define UNIT_BYTES 512 /* unpacked unit of a panel: [8 groups][16 columns][4 values] u8 */
+#define CHUNK_UNITS 16 /* units unpacked at a time (8 KB of scratch) */
+
+/* test hooks (negative controls of the tests; the package never sets them) */
+#define QTEST_BATCH_SCALE 1 /* activation block scales from the largest |x| over ALL rows of the call */
+#define QTEST_REVERSE 2     /* blocks (chunks of 16 units) in descending order */
+#define QTEST_REVERSE_ODD 4 /* the same, on odd-numbered threads only */
+
+/* One stacked part of a linear, as Python's QuantLinear passes it (ctypes mirror in ops/quant.py). */
+typedef struct {
+    const uint8_t *data;      /* [rows][row_bytes] as stored */
+    const int64_t *row_order; /* [cols]: output column j reads stored row row_order[j]; NULL = identity */
+    int64_t cols;             /* output columns of this part */
+    int64_t row_bytes;
+    int64_t format;           /* ggml type id */
+} detinf_qpart;
+
+/* Quantized activation rows: q [m][k] int8, d [m][k / block] fp32, s32 [m][k / 32] int32 sums of q
+   (and sf, the same as fp32: exact), s16 [m][k / 16] int32 (K flavour only). */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int32_t *s32;
+    float *sf;
+    int32_t *s16;
+    int64_t k;
+    int block; /* 32 or 256 */
+} xquant;
+
+/* One panel's unpacked chunk: units [u0, u0 + units) of 16 columns. */
+typedef struct {
+    uint8_t *w;  /* [units][8][16][4] u8: the format's unsigned integers (Q8_0: q + 128) */
+    float *d;    /* 32-value formats: [units][16] block scale; K formats: [super-blocks][16] d */
+    float *m;    /* 32-value formats: [units][16] block min (Q4_1, Q5_1); K formats: [super][16] dmin */
+    int32_t *sc; /* K formats: [super-blocks][16 sub-blocks][16] scale (Q4_K/Q5_K use 8) */
+    int32_t *mn; /* Q4_K, Q5_K: [super-blocks][8][16] mins */
+} qpanel;
+
+static inline int format_block_values(int64_t format) { return format >= Q4_K ? SUPER : UNIT; }
+
+static inline int64_t format_block_bytes(int64_t format) {
+    switch (format) {
+        case Q4_0: return 18;
+        case Q4_1: return 20;
+        case Q5_0: return 22;
+        case Q5_1: return 24;
+        case Q8_0: return 34;
+        case Q4_K: return 144;
+        case Q5_K: return 176;
+        case Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+/* The integer subtracted from every unpacked weight value of a 32-value format (Q8_0 is stored + 128). */
+static inline int32_t format_offset(int64_t format) {
+    return format == Q8_0 ? 128 : (format == Q4_0 ? 8 : (format == Q5_0 ? 16 : 0));
+}
+
+static inline int format_has_min(int64_t format) { return format == Q4_1 || format == Q5_1; }
+
+static inline uint16_t load_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+static inline uint32_t load_u32(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+/* IEEE half -> single, exact (denormals normalised; a NaN keeps its payload and becomes quiet, as F16C). */
+static inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits;
+    if (exponent == 0x1F) bits = sign | 0x7F800000u | (mantissa << 13) | (mantissa ? 0x400000u : 0u);
+    else if (exponent != 0) bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    else if (mantissa == 0) bits = sign;
+    else {
+        int shift = 0;
+        while (!(mantissa & 0x400u)) { mantissa <<= 1; shift++; }
+        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mantissa & 0x3FFu) << 13);
+    }
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+static inline uint32_t f32_bits(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    return bits;
+}
+
+/* The 6-bit scale (which = 0) or min (which = 1) of sub-block j from a Q4_K/Q5_K 12-byte scale field. */
+static inline int32_t k4_scale(const uint8_t *s, int j, int which) {
+    if (j < 4) return s[j + 4 * which] & 63;
+    return which ? (s[j + 4] >> 4) | ((s[j] >> 6) << 4) : (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+}
+
+/* Value l (< 32) of unit u (32 values; a K super-block has 8) of a stored row, as the unsigned integer
+   the scratch holds (layouts in quant_unpack.c; Q8_0 is stored + 128). */
+static inline uint8_t unit_value(int64_t format, const uint8_t *row, int64_t u, int l) {
+    const uint8_t *p;
+    switch (format) {
+        case Q8_0: return (uint8_t)(row[u * 34 + 2 + l] ^ 0x80u);
+        case Q4_0: p = row + u * 18 + 2; return l < 16 ? p[l] & 15 : p[l - 16] >> 4;
+        case Q4_1: p = row + u * 20 + 4; return l < 16 ? p[l] & 15 : p[l - 16] >> 4;
+        case Q5_0:
+        case Q5_1: {
+            p = row + u * format_block_bytes(format) + (format == Q5_0 ? 2 : 4);
+            const uint8_t low = l < 16 ? p[4 + l] & 15 : p[4 + l - 16] >> 4;
+            return (uint8_t)(low | (((load_u32(p) >> l) & 1u) << 4));
+        }
+        case Q4_K: {
+            const int64_t j = u % 8;
+            p = row + (u / 8) * 144 + 16 + 32 * (j / 2);
+            return j % 2 ? p[l] >> 4 : p[l] & 15;
+        }
+        case Q5_K: {
+            const int64_t j = u % 8;
+            p = row + (u / 8) * 176;
+            const uint8_t nibbles = p[48 + 32 * (j / 2) + l];
+            return (uint8_t)((j % 2 ? nibbles >> 4 : nibbles & 15) | (((p[16 + l] >> j) & 1) << 4));
+        }
+        default: { /* Q6_K */
+            const int64_t h = (u % 8) / 4, t = u % 4;
+            p = row + (u / 8) * 210;
+            const uint8_t low = p[64 * h + 32 * (t % 2) + l];
+            return (uint8_t)(((t / 2) ? low >> 4 : low & 15) | (((p[128 + 32 * h + l] >> (2 * t)) & 3) << 4));
+        }
+    }
+}
+
+/* quant_act.c */
+int xquant_alloc(xquant *xq, int64_t m, int64_t k, int block);
+void xquant_free(xquant *xq);
+void xquant_rows(xquant *xq, const void *x, int64_t m, int x_bf16, int batch_scale);
+
+/* quant_unpack.c: columns' row pointers rows[16], units [u0, u0 + units) of `format` into p */
+void unpack_chunk(int64_t format, const uint8_t *const *rows, int64_t row_bytes, int64_t u0, int64_t units, qpanel *p);
+#if defined(DETINF_Q_AVX512)
+/* quant_unpack512.c: the same bytes as the portable loop */
+void unpack_chunk_avx512(int64_t format, const uint8_t *const *rows, int64_t row_bytes, int64_t u0, int64_t units,
+                         qpanel *p);
+#endif
+
+/* quant_kernels.c: rows [r0, r0 + count) over the chunk of 1 or 2 halves; acc [count][32] in and out */
+void kernel_rows(int64_t format, const xquant *xq, int64_t r0, int64_t count, int64_t u0, int64_t units,
+                 const qpanel *p, int halves, float *acc);
+
+#endif

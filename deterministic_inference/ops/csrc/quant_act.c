@@ -1,0 +1,125 @@
+/* Activation quantization of the quantized-weight GEMM (definitions in quant.h): every row of x is cut
+   into blocks of 32 (or 256) values and each block is quantized to int8 from its own values only. All
+   operations are exact except the two fp32 divisions and the product x_i * s, which are single IEEE
+   operations, so the code below gives the same bytes whether the compiler vectorises it or not. */
+
+#include "quant.h"
+
+#define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: adding then subtracting rounds |v| < 2^22 to an integer, ties even */
+
+int xquant_alloc(xquant *xq, int64_t m, int64_t k, int block) {
+    xq->k = k;
+    xq->block = block;
+    xq->q = malloc((size_t)(m * k) + 64);
+    xq->d = malloc(sizeof(float) * (size_t)(m * (k / block) + 1));
+    xq->s32 = malloc(sizeof(int32_t) * (size_t)(m * (k / 32) + 1));
+    xq->sf = malloc(sizeof(float) * (size_t)(m * (k / 32) + 1));
+    xq->s16 = block == SUPER ? malloc(sizeof(int32_t) * (size_t)(m * (k / 16) + 1)) : NULL;
+    if (!xq->q || !xq->d || !xq->s32 || !xq->sf || (block == SUPER && !xq->s16)) {
+        xquant_free(xq);
+        return 1;
+    }
+    return 0;
+}
+
+void xquant_free(xquant *xq) {
+    free(xq->q);
+    free(xq->d);
+    free(xq->s32);
+    free(xq->sf);
+    free(xq->s16);
+    xq->q = NULL;
+    xq->d = NULL;
+    xq->s32 = NULL;
+    xq->sf = NULL;
+    xq->s16 = NULL;
+}
+
+/* values [0, n) of row r as fp32 (bf16 widened exactly) */
+static inline void load_block(const void *x, int64_t offset, int n, int x_bf16, float *out) {
+    if (x_bf16) {
+        const uint16_t *src = (const uint16_t *)x + offset;
+        for (int i = 0; i < n; i++) out[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(out, (const float *)x + offset, sizeof(float) * (size_t)n);
+    }
+}
+
+/* The largest |v_i| as a bit pattern (an unsigned max of the sign-cleared bits: exact, order free). */
+static inline uint32_t amax_bits(const float *v, int n) {
+    uint32_t best = 0;
+    for (int i = 0; i < n; i++) {
+        const uint32_t bits = f32_bits(v[i]) & 0x7FFFFFFFu;
+        best = bits > best ? bits : best;
+    }
+    return best;
+}
+
+/* q_i of one block given its largest |v| (bits); returns the block scale d. */
+static inline float quantize_block(const float *v, int n, uint32_t amax, int8_t *q) {
+    if (amax >= 0x7F800000u || amax < 0x03800000u) { /* not finite, or below 2^-120 */
+        for (int i = 0; i < n; i++) q[i] = 0;
+        const uint32_t nan_bits = 0x7FC00000u;
+        float nan_value;
+        memcpy(&nan_value, &nan_bits, sizeof nan_value);
+        return amax >= 0x7F800000u ? nan_value : 0.0f;
+    }
+    float largest;
+    memcpy(&largest, &amax, sizeof largest);
+    const float s = 127.0f / largest;
+    for (int i = 0; i < n; i++) {
+        float r = (v[i] * s + ROUND_MAGIC) - ROUND_MAGIC;
+        r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+        q[i] = (int8_t)(int32_t)r;
+    }
+    return largest / 127.0f;
+}
+
+static inline int32_t sum_q(const int8_t *q, int n) {
+    int32_t sum = 0;
+    for (int i = 0; i < n; i++) sum += q[i];
+    return sum;
+}
+
+/* Row r: blocks of xq->block values; `shared_amax` (test hook only) replaces each block's own maximum. */
+static void quantize_row(xquant *xq, const void *x, int64_t r, int x_bf16, const uint32_t *shared_amax) {
+    const int64_t k = xq->k, blocks = k / xq->block;
+    const int n = xq->block;
+    float values[SUPER];
+    for (int64_t b = 0; b < blocks; b++) {
+        load_block(x, r * k + b * n, n, x_bf16, values);
+        int8_t *q = xq->q + r * k + b * n;
+        const uint32_t amax = shared_amax ? shared_amax[b] : amax_bits(values, n);
+        xq->d[r * blocks + b] = quantize_block(values, n, amax, q);
+    }
+    for (int64_t i = 0; i < k / 32; i++) {
+        xq->s32[r * (k / 32) + i] = sum_q(xq->q + r * k + i * 32, 32);
+        xq->sf[r * (k / 32) + i] = (float)xq->s32[r * (k / 32) + i]; /* |sum| <= 4064: exact */
+    }
+    if (xq->s16)
+        for (int64_t i = 0; i < k / 16; i++) xq->s16[r * (k / 16) + i] = sum_q(xq->q + r * k + i * 16, 16);
+}
+
+/* Negative-control hook: each block column's largest |x| over all m rows (what a batch-wide scale is). */
+static uint32_t *batch_amax(const xquant *xq, const void *x, int64_t m, int x_bf16) {
+    const int64_t blocks = xq->k / xq->block;
+    uint32_t *shared = calloc((size_t)blocks + 1, sizeof(uint32_t));
+    float values[SUPER];
+    for (int64_t r = 0; shared && r < m; r++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            load_block(x, r * xq->k + b * xq->block, xq->block, x_bf16, values);
+            const uint32_t amax = amax_bits(values, xq->block);
+            shared[b] = amax > shared[b] ? amax : shared[b];
+        }
+    }
+    return shared;
+}
+
+/* Quantize rows [0, m) of x [m][k] (fp32, or bf16 when x_bf16). Rows are shared out between threads;
+   each row is quantized whole, from its own values, by one thread. */
+void xquant_rows(xquant *xq, const void *x, int64_t m, int x_bf16, int batch_scale) {
+    uint32_t *shared = batch_scale ? batch_amax(xq, x, m, x_bf16) : NULL;
+#pragma omp parallel for schedule(static) if (m * xq->k >= (int64_t)1 << 16)
+    for (int64_t r = 0; r < m; r++) quantize_row(xq, x, r, x_bf16, shared);
+    free(shared);
+}

@@ -1,0 +1,156 @@
+/* The quantized-weight GEMM's entry point (arithmetic defined in quant.h): quantize the activation rows,
+   share the output columns out between threads in fixed panels of 32 columns of one part, and compute
+   each panel whole, chunk by chunk of 16 units in ascending order, for every row. Which thread takes a
+   panel, how many rows there are and where a row sits change no operation of any output. */
+
+#include <omp.h>
+
+#include "quant.h"
+
+typedef struct {
+    int64_t part;      /* index into the parts */
+    int64_t first_col; /* the panel's first column within its part */
+    int64_t out_col;   /* the same column in the output */
+} panel_ref;
+
+typedef struct {
+    const xquant *x32;  /* activations in 32-value blocks (NULL when no part needs them) */
+    const xquant *x256; /* activations in 256-value blocks (K formats) */
+    int64_t m, n;
+    const float *bias; /* [n] or NULL */
+    void *out;         /* [m][n] fp32, or bf16 when out_bf16 */
+    int out_bf16;
+    int flags; /* QTEST_* (tests only) */
+} gemm_call;
+
+/* Per-thread work space: one chunk of the two halves of a panel, and the running sums of every row. */
+typedef struct {
+    qpanel halves[2];
+    float *acc; /* [m][32] */
+    void *block;
+} workspace;
+
+static int workspace_alloc(workspace *ws, int64_t m) {
+    const size_t w_bytes = CHUNK_UNITS * UNIT_BYTES, f_bytes = CHUNK_UNITS * QCOLS * sizeof(float);
+    const size_t sc_bytes = (CHUNK_UNITS / 8) * 16 * QCOLS * sizeof(int32_t);
+    const size_t mn_bytes = (CHUNK_UNITS / 8) * 8 * QCOLS * sizeof(int32_t);
+    const size_t half = w_bytes + 2 * f_bytes + sc_bytes + mn_bytes; /* a multiple of 64 */
+    uint8_t *block = aligned_alloc(64, 2 * half + ((size_t)m * ACC_COLS * sizeof(float) + 63) / 64 * 64);
+    ws->block = block;
+    if (!block) return 1;
+    for (int h = 0; h < 2; h++) {
+        uint8_t *base = block + h * half;
+        ws->halves[h].w = base;
+        ws->halves[h].d = (float *)(base + w_bytes);
+        ws->halves[h].m = (float *)(base + w_bytes + f_bytes);
+        ws->halves[h].sc = (int32_t *)(base + w_bytes + 2 * f_bytes);
+        ws->halves[h].mn = (int32_t *)(base + w_bytes + 2 * f_bytes + sc_bytes);
+    }
+    ws->acc = (float *)(block + 2 * half);
+    return 0;
+}
+
+/* acc -> out columns [out_col, out_col + cols): + bias (one fp32 add), NaN made canonical, bf16 rounding. */
+static void store_panel(const gemm_call *call, const float *acc, int64_t out_col, int64_t cols) {
+    const uint32_t quiet_nan = 0x7FC00000u;
+    for (int64_t r = 0; r < call->m; r++) {
+        for (int64_t c = 0; c < cols; c++) {
+            float value = acc[r * ACC_COLS + c];
+            if (call->bias) value = value + call->bias[out_col + c];
+            if (value != value) memcpy(&value, &quiet_nan, sizeof value);
+            const int64_t at = r * call->n + out_col + c;
+            if (call->out_bf16) ((uint16_t *)call->out)[at] = f32_to_bf16(value);
+            else ((float *)call->out)[at] = value;
+        }
+    }
+}
+
+/* rows[c] = the stored row read by the panel's column c (< 32); columns past the part's end repeat its
+   last one (computed, never stored). */
+static void panel_rows(const detinf_qpart *part, const panel_ref *ref, int64_t cols, const uint8_t **rows) {
+    for (int c = 0; c < ACC_COLS; c++) {
+        const int64_t j = ref->first_col + (c < cols ? c : cols - 1);
+        rows[c] = part->data + (part->row_order ? part->row_order[j] : j) * part->row_bytes;
+    }
+}
+
+static void compute_panel(const gemm_call *call, const detinf_qpart *part, const panel_ref *ref, workspace *ws) {
+    const int64_t cols = part->cols - ref->first_col < ACC_COLS ? part->cols - ref->first_col : ACC_COLS;
+    const int halves = cols > QCOLS ? 2 : 1;
+    const uint8_t *rows[ACC_COLS];
+    panel_rows(part, ref, cols, rows);
+    const xquant *xq = format_block_values(part->format) == SUPER ? call->x256 : call->x32;
+    const int64_t units = xq->k / UNIT, chunks = (units + CHUNK_UNITS - 1) / CHUNK_UNITS;
+    const int reverse = (call->flags & QTEST_REVERSE) || ((call->flags & QTEST_REVERSE_ODD) && omp_get_thread_num() % 2);
+    memset(ws->acc, 0, sizeof(float) * (size_t)(call->m * ACC_COLS)); /* acc = +0 */
+    for (int64_t i = 0; i < chunks; i++) {
+        const int64_t chunk = reverse ? chunks - 1 - i : i;
+        const int64_t u0 = chunk * CHUNK_UNITS;
+        const int64_t count = units - u0 < CHUNK_UNITS ? units - u0 : CHUNK_UNITS;
+        for (int h = 0; h < halves; h++)
+            unpack_chunk(part->format, rows + h * QCOLS, part->row_bytes, u0, count, &ws->halves[h]);
+        kernel_rows(part->format, xq, 0, call->m, u0, count, ws->halves, halves, ws->acc);
+    }
+    store_panel(call, ws->acc, ref->out_col, cols);
+}
+
+/* The panels of every part, in output order: -> count, or -1 when out of memory. */
+static int64_t list_panels(const detinf_qpart *parts, int64_t nparts, panel_ref **out) {
+    int64_t count = 0, out_col = 0;
+    for (int64_t p = 0; p < nparts; p++) count += (parts[p].cols + ACC_COLS - 1) / ACC_COLS;
+    panel_ref *refs = malloc(sizeof(panel_ref) * (size_t)(count + 1));
+    if (!refs) return -1;
+    count = 0;
+    for (int64_t p = 0; p < nparts; p++) {
+        for (int64_t first = 0; first < parts[p].cols; first += ACC_COLS) {
+            refs[count++] = (panel_ref){p, first, out_col + first};
+        }
+        out_col += parts[p].cols;
+    }
+    *out = refs;
+    return count;
+}
+
+static int run_panels(const gemm_call *call, const detinf_qpart *parts, const panel_ref *refs, int64_t count,
+                      int64_t k) {
+    int status = 0;
+#pragma omp parallel reduction(| : status) if (call->m * call->n * k >= (int64_t)1 << 20)
+    {
+        workspace ws;
+        const int failed = workspace_alloc(&ws, call->m);
+        status |= failed;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < count; i++) {
+            if (!failed) compute_panel(call, &parts[refs[i].part], &refs[i], &ws);
+        }
+        free(ws.block);
+    }
+    return status;
+}
+
+/* out [m][n] = x [m][k] (fp32, or bf16 when x_bf16) times the parts' rows stacked (n = their columns),
+   + bias [n] fp32 (or NULL); out fp32, or bf16 when out_bf16. Inputs were checked by ops/quant.py.
+   Returns 0, or 1 when memory ran out. flags: QTEST_* hooks for the tests' negative controls, else 0. */
+int detinf_quant_gemm(const void *x, int64_t m, int64_t k, int x_bf16, const detinf_qpart *parts, int64_t nparts,
+                      const float *bias, void *out, int64_t n, int out_bf16, int flags) {
+    int need32 = 0, need256 = 0;
+    for (int64_t p = 0; p < nparts; p++) {
+        if (format_block_values(parts[p].format) == SUPER) need256 = 1;
+        else need32 = 1;
+    }
+    xquant x32 = {0}, x256 = {0};
+    panel_ref *refs = NULL;
+    int status = (need32 && xquant_alloc(&x32, m, k, UNIT)) || (need256 && xquant_alloc(&x256, m, k, SUPER));
+    const int64_t count = status ? 0 : list_panels(parts, nparts, &refs);
+    if (count < 0) status = 1;
+    if (!status) {
+        if (need32) xquant_rows(&x32, x, m, x_bf16, flags & QTEST_BATCH_SCALE);
+        if (need256) xquant_rows(&x256, x, m, x_bf16, flags & QTEST_BATCH_SCALE);
+        const gemm_call call = {&x32, &x256, m, n, bias, out, out_bf16, flags};
+        status = run_panels(&call, parts, refs, count, k);
+    }
+    free(refs);
+    xquant_free(&x32);
+    xquant_free(&x256);
+    return status;
+}

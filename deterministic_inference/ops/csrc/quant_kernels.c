@@ -1,0 +1,230 @@
+/* Inner kernels of the quantized-weight GEMM: a tile of activation rows against one unpacked chunk of a
+   16-column panel (quant_unpack.c), performing exactly the float sequence defined in quant.h. The
+   integer dot products are exact whatever order they are added in; each path then performs the same
+   fp32 operations per output (vector lanes are output columns, never partial sums of one output).
+   Paths: AVX-512 VNNI (VPDPBUSD: unsigned weight bytes x signed activation bytes, 4 products per int32
+   lane), AVX2 (quant_kernels256.c), portable C below. */
+
+#include "quant.h"
+
+#if defined(DETINF_Q_AVX512)
+#define ROW_TILE 4 /* rows per register tile, times 2 halves of 16 columns (accumulators: 3 x 8 zmm at most) */
+#else
+#define ROW_TILE 1
+#endif
+
+/* ---------------------------------------------------------------- portable C: one row at a time */
+
+INLINE int32_t group_dot(const uint8_t *w, int c, const int8_t *x) {
+    int32_t sum = 0;
+    for (int b = 0; b < 4; b++) sum += (int32_t)w[c * 4 + b] * x[b];
+    return sum;
+}
+
+/* sum over groups [g0, g1) of unit `w` (scratch) for column c, against activations x (the unit's) */
+INLINE int32_t unit_dot(const uint8_t *w, int c, const int8_t *x, int g0, int g1) {
+    int32_t sum = 0;
+    for (int g = g0; g < g1; g++) sum += group_dot(w + g * 64, c, x + 4 * g);
+    return sum;
+}
+
+static void row_blocks_c(int64_t format, const xquant *xq, int64_t row, int64_t u0, int64_t units,
+                         const qpanel *p, float *acc) {
+    const int64_t k = xq->k, blocks = k / UNIT;
+    const int32_t offset = format_offset(format);
+    for (int64_t uu = 0; uu < units; uu++) {
+        const int64_t u = u0 + uu;
+        const int8_t *x = xq->q + row * k + u * UNIT;
+        const float dx = xq->d[row * blocks + u];
+        const int32_t sx = xq->s32[row * blocks + u];
+        for (int c = 0; c < QCOLS; c++) {
+            const int32_t isum = unit_dot(p->w + uu * UNIT_BYTES, c, x, 0, 8) - offset * sx;
+            acc[c] = fmaf(p->d[uu * QCOLS + c] * dx, (float)isum, acc[c]);
+            if (format_has_min(format)) acc[c] = fmaf(p->m[uu * QCOLS + c] * dx, (float)sx, acc[c]);
+        }
+    }
+}
+
+static void row_super_c(int64_t format, const xquant *xq, int64_t row, int64_t u0, int64_t units,
+                        const qpanel *p, float *acc) {
+    const int64_t k = xq->k;
+    for (int64_t sb = 0; sb < units / 8; sb++) {
+        const int64_t s = u0 / 8 + sb;
+        const int8_t *x = xq->q + row * k + s * SUPER;
+        const float dx = xq->d[row * (k / SUPER) + s];
+        for (int c = 0; c < QCOLS; c++) {
+            int32_t isum = 0, msum = 0;
+            for (int j = 0; j < (format == Q6_K ? 16 : 8); j++) {
+                const int32_t scale = p->sc[(sb * 16 + j) * QCOLS + c];
+                if (format == Q6_K) {
+                    const uint8_t *unit = p->w + (sb * 8 + j / 2) * UNIT_BYTES;
+                    const int32_t dot = unit_dot(unit, c, x + 32 * (j / 2), 4 * (j % 2), 4 * (j % 2) + 4);
+                    isum += scale * (dot - 32 * xq->s16[row * (k / 16) + s * 16 + j]);
+                } else {
+                    isum += scale * unit_dot(p->w + (sb * 8 + j) * UNIT_BYTES, c, x + 32 * j, 0, 8);
+                    msum += p->mn[(sb * 8 + j) * QCOLS + c] * xq->s32[row * (k / 32) + s * 8 + j];
+                }
+            }
+            acc[c] = fmaf(p->d[sb * QCOLS + c] * dx, (float)isum, acc[c]);
+            if (format != Q6_K) acc[c] = fmaf(-(p->m[sb * QCOLS + c] * dx), (float)msum, acc[c]);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- AVX-512 VNNI: R rows x 16 columns */
+#if defined(DETINF_Q_AVX512)
+
+INLINE __m512i x_group(const int8_t *x) { /* 4 activation bytes broadcast to every lane */
+    int32_t word;
+    memcpy(&word, x, sizeof word);
+    return _mm512_set1_epi32(word);
+}
+
+INLINE __m512 to_float(__m512i v) { return _mm512_cvt_roundepi32_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+/* rows [r0, r0 + R) x H halves of 16 columns (p[0], p[1]) over a chunk of 32-value blocks; acc [R][32] */
+INLINE void tile_blocks(int64_t format, const xquant *xq, int64_t r0, const int R, const int H, int64_t u0,
+                        int64_t units, const qpanel *p, float *acc) {
+    const int64_t k = xq->k, blocks = k / UNIT;
+    const int32_t offset = format_offset(format);
+    __m512 f[2][ROW_TILE];
+    __m512i s[2][ROW_TILE];
+    for (int h = 0; h < H; h++)
+        for (int r = 0; r < R; r++) f[h][r] = _mm512_loadu_ps(acc + r * ACC_COLS + h * QCOLS);
+    for (int64_t uu = 0; uu < units; uu++) {
+        const int64_t u = u0 + uu;
+        const int8_t *x = xq->q + r0 * k + u * UNIT;
+        for (int r = 0; r < R; r++) {
+            const __m512i init = _mm512_set1_epi32(-offset * xq->s32[(r0 + r) * blocks + u]);
+            for (int h = 0; h < H; h++) s[h][r] = init;
+        }
+        for (int g = 0; g < 8; g++) {
+            __m512i w[2];
+            for (int h = 0; h < H; h++) w[h] = _mm512_load_si512((const __m512i *)(p[h].w + uu * UNIT_BYTES) + g);
+            for (int r = 0; r < R; r++) {
+                const __m512i xg = x_group(x + r * k + 4 * g);
+                for (int h = 0; h < H; h++) s[h][r] = _mm512_dpbusd_epi32(s[h][r], w[h], xg);
+            }
+        }
+        for (int h = 0; h < H; h++) {
+            const __m512 dw = _mm512_loadu_ps(p[h].d + uu * QCOLS);
+            for (int r = 0; r < R; r++) {
+                const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xq->d[(r0 + r) * blocks + u]));
+                f[h][r] = _mm512_fmadd_ps(scale, to_float(s[h][r]), f[h][r]);
+            }
+            if (!format_has_min(format)) continue;
+            const __m512 mw = _mm512_loadu_ps(p[h].m + uu * QCOLS);
+            for (int r = 0; r < R; r++) {
+                const __m512 scale = _mm512_mul_ps(mw, _mm512_set1_ps(xq->d[(r0 + r) * blocks + u]));
+                f[h][r] = _mm512_fmadd_ps(scale, _mm512_set1_ps(xq->sf[(r0 + r) * blocks + u]), f[h][r]);
+            }
+        }
+    }
+    for (int h = 0; h < H; h++)
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(acc + r * ACC_COLS + h * QCOLS, f[h][r]);
+}
+
+/* sum_j sc_j * dot_j over one super-block's sub-blocks (Q4_K, Q5_K: 8 of 32 values; Q6_K: 16 of 16) */
+INLINE void super_isum(int64_t format, const xquant *xq, int64_t r0, const int R, const int H, int64_t sb,
+                       int64_t s, const qpanel *p, __m512i isum[2][ROW_TILE]) {
+    const int64_t k = xq->k;
+    const int subs = format == Q6_K ? 16 : 8, groups = format == Q6_K ? 4 : 8;
+    __m512i t[2][ROW_TILE];
+    for (int h = 0; h < H; h++)
+        for (int r = 0; r < R; r++) isum[h][r] = _mm512_setzero_si512();
+    for (int j = 0; j < subs; j++) {
+        const int8_t *x = xq->q + r0 * k + s * SUPER + j * 4 * groups;
+        for (int r = 0; r < R; r++) {
+            const __m512i init = format == Q6_K ? _mm512_set1_epi32(-32 * xq->s16[(r0 + r) * (k / 16) + s * 16 + j])
+                                                : _mm512_setzero_si512();
+            for (int h = 0; h < H; h++) t[h][r] = init;
+        }
+        for (int g = 0; g < groups; g++) {
+            __m512i w[2];
+            for (int h = 0; h < H; h++)
+                w[h] = _mm512_load_si512((const __m512i *)(p[h].w + sb * 8 * UNIT_BYTES) + j * groups + g);
+            for (int r = 0; r < R; r++) {
+                const __m512i xg = x_group(x + r * k + 4 * g);
+                for (int h = 0; h < H; h++) t[h][r] = _mm512_dpbusd_epi32(t[h][r], w[h], xg);
+            }
+        }
+        for (int h = 0; h < H; h++) {
+            const __m512i scale = _mm512_loadu_si512(p[h].sc + (sb * 16 + j) * QCOLS);
+            for (int r = 0; r < R; r++) isum[h][r] = _mm512_add_epi32(isum[h][r], _mm512_mullo_epi32(t[h][r], scale));
+        }
+    }
+}
+
+/* msum = sum_j m_j * (sum of q_x over sub-block j), for Q4_K / Q5_K */
+INLINE __m512i super_msum(const xquant *xq, int64_t row, int64_t sb, int64_t s, const qpanel *p) {
+    __m512i msum = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j++) {
+        const __m512i sums = _mm512_set1_epi32(xq->s32[row * (xq->k / 32) + s * 8 + j]);
+        msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(_mm512_loadu_si512(p->mn + (sb * 8 + j) * QCOLS), sums));
+    }
+    return msum;
+}
+
+INLINE void tile_super(int64_t format, const xquant *xq, int64_t r0, const int R, const int H, int64_t u0,
+                       int64_t units, const qpanel *p, float *acc) {
+    const int64_t supers = xq->k / SUPER;
+    __m512 f[2][ROW_TILE];
+    __m512i isum[2][ROW_TILE];
+    for (int h = 0; h < H; h++)
+        for (int r = 0; r < R; r++) f[h][r] = _mm512_loadu_ps(acc + r * ACC_COLS + h * QCOLS);
+    for (int64_t sb = 0; sb < units / 8; sb++) {
+        const int64_t s = u0 / 8 + sb;
+        super_isum(format, xq, r0, R, H, sb, s, p, isum);
+        for (int h = 0; h < H; h++) {
+            const __m512 dw = _mm512_loadu_ps(p[h].d + sb * QCOLS);
+            for (int r = 0; r < R; r++) {
+                const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xq->d[(r0 + r) * supers + s]));
+                f[h][r] = _mm512_fmadd_ps(scale, to_float(isum[h][r]), f[h][r]);
+            }
+            if (format == Q6_K) continue;
+            const __m512 mw = _mm512_loadu_ps(p[h].m + sb * QCOLS);
+            for (int r = 0; r < R; r++) {
+                const __m512 scale = _mm512_mul_ps(mw, _mm512_set1_ps(xq->d[(r0 + r) * supers + s]));
+                const __m512i msum = super_msum(xq, r0 + r, sb, s, &p[h]);
+                f[h][r] = _mm512_fnmadd_ps(scale, to_float(msum), f[h][r]); /* = fmaf(-scale, msum, f) */
+            }
+        }
+    }
+    for (int h = 0; h < H; h++)
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(acc + r * ACC_COLS + h * QCOLS, f[h][r]);
+}
+
+/* The tiles with a literal row count and format family, so their accumulators stay in registers. */
+static void tile_any(int64_t format, const xquant *xq, int64_t r0, int R, int H, int64_t u0, int64_t units,
+                     const qpanel *p, float *acc) {
+#define DETINF_QTILE(rows, halves)                                                                  \
+    if (R == rows && H == halves) {                                                                 \
+        if (format >= Q4_K) tile_super(format, xq, r0, rows, halves, u0, units, p, acc);            \
+        else tile_blocks(format, xq, r0, rows, halves, u0, units, p, acc);                          \
+        return;                                                                                     \
+    }
+    DETINF_QTILE(1, 1) DETINF_QTILE(2, 1) DETINF_QTILE(3, 1) DETINF_QTILE(4, 1)
+    DETINF_QTILE(1, 2) DETINF_QTILE(2, 2) DETINF_QTILE(3, 2) DETINF_QTILE(4, 2)
+#undef DETINF_QTILE
+}
+
+#endif
+
+/* Rows [r0, r0 + count) against the chunk of `halves` (1 or 2) 16-column halves p[0], p[1]; acc
+   [count][32] (columns of half h at 16 h) holds the running sums in and out. */
+void kernel_rows(int64_t format, const xquant *xq, int64_t r0, int64_t count, int64_t u0, int64_t units,
+                 const qpanel *p, int halves, float *acc) {
+    for (int64_t r = 0; r < count; r += ROW_TILE) {
+        const int64_t R = count - r < ROW_TILE ? count - r : ROW_TILE;
+#if defined(DETINF_Q_AVX512)
+        tile_any(format, xq, r0 + r, (int)R, halves, u0, units, p, acc + r * ACC_COLS);
+#else
+        for (int h = 0; h < halves; h++) {
+            float *row_acc = acc + r * ACC_COLS + h * QCOLS;
+            if (format >= Q4_K) row_super_c(format, xq, r0 + r, u0, units, &p[h], row_acc);
+            else row_blocks_c(format, xq, r0 + r, u0, units, &p[h], row_acc);
+        }
+        (void)R;
+#endif
+    }
+}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.tiny_models import TinyModel, build_hf_model, write_gguf
@@ -36,3 +38,11 @@ def tiny_llama_gguf_q8(tiny_llama_dir: TinyModel, tmp_path_factory: pytest.TempP
     """The tiny Llama as a Q8_0 GGUF file (2-D weights quantised, norms F32)."""
     path = tmp_path_factory.mktemp("tiny-gguf-q8") / "tiny-llama.Q8_0.gguf"
     return write_gguf(tiny_llama_dir, path, quant="Q8_0")
+
+
+@pytest.fixture(scope="session")
+def tiny_q4_k_m_gguf(tiny_llama_dir: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random llama GGUF mixing formats like a Q4_K_M file (Q4_K, Q6_K, Q5_K, Q8_0, F32)."""
+    from tests.quant_models import write_random_gguf
+
+    return write_random_gguf(tiny_llama_dir, tmp_path_factory.mktemp("tiny-q4km") / "tiny-mixed.Q4_K_M.gguf")

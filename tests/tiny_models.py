@@ -197,7 +197,7 @@ def write_gguf(
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_dimension_count(cfg.head_dim)
-    _write_tokenizer(writer, reference.path, add_bos, tokenizer_model, pre)
+    write_tokenizer_metadata(writer, reference.path, add_bos, tokenizer_model, pre)
     for name, tensor in reference.state_dict.items():
         array = tensor.numpy().astype(np.float32)
         if name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -216,7 +216,8 @@ def write_gguf(
     return TinyModel(path, reference.model, "llama")
 
 
-def _write_tokenizer(writer: Any, hf_dir: Path, add_bos: bool, tokenizer_model: str, pre: str) -> None:
+def write_tokenizer_metadata(writer: Any, hf_dir: Path, add_bos: bool, tokenizer_model: str, pre: str) -> int:
+    """The tokenizer of the HF directory as GGUF metadata (BPE 'gpt2' style); returns the token count."""
     tok_json = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab: dict[str, int] = tok_json["model"]["vocab"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
@@ -229,6 +230,7 @@ def _write_tokenizer(writer: Any, hf_dir: Path, add_bos: bool, tokenizer_model: 
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHATML_TEMPLATE)
+    return len(tokens)
 
 
 def transformers_llama(loaded: Any) -> Any:
@@ -251,7 +253,9 @@ def transformers_llama(loaded: Any) -> Any:
         tie_word_embeddings=spec.tie_word_embeddings,
     )
     model = transformers.LlamaForCausalLM(config).eval()
-    model.load_state_dict(loaded.weights, strict=False)
+    from deterministic_inference.ops.weights import dense
+
+    model.load_state_dict({name: dense(w, torch.float32) for name, w in loaded.weights.items()}, strict=False)
     model.tie_weights()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from deterministic_inference.config import DTYPES, EngineConfig
+from deterministic_inference.config import DTYPES, QUANTIZATIONS, EngineConfig
 
 
 def register(subparsers: Any) -> None:
@@ -18,29 +18,27 @@ def register(subparsers: Any) -> None:
         "--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)"
     )
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="weights/activations dtype")
+    parser.add_argument(
+        "--quantization", default="auto", choices=QUANTIZATIONS, help="weight formats (as for generate)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.set_defaults(func=run_selfcheck_command)
 
 
 def run_selfcheck_command(args: argparse.Namespace) -> int:
-    """Exit 0 when every probe is bitwise equal, 1 when one differs (the table names it)."""
-    import torch
-
-    from deterministic_inference.engine.setup import resolve_dtype
-    from deterministic_inference.model.llama import Numerics
+    """Exit 0 when every probe is bitwise equal, 1 when one differs (the table names it). The model is
+    built as the engine builds it, so its own linears (every weight format it uses) are probed."""
+    from deterministic_inference.engine.setup import build_model, resolve_dtype
     from deterministic_inference.model.loader import load_model
     from deterministic_inference.ops.selfcheck import run_selfcheck
 
-    config = EngineConfig(model=args.model, dtype=args.dtype, threads=args.threads)  # validates
-    dtype_name = resolve_dtype(config.dtype)
-    numerics = Numerics(
-        dtype=getattr(torch, dtype_name),
-        batch_invariant=True,
-        tile_rows=config.linear_tile_rows,
+    config = EngineConfig(  # validates
+        model=args.model, dtype=args.dtype, quantization=args.quantization, threads=args.threads
     )
-    spec = load_model(config.model).spec
-    report = run_selfcheck(spec, numerics, config.threads)
+    loaded = load_model(config.model, config.quantization)
+    model = build_model(loaded, config, resolve_dtype(config.dtype), 4096)
+    report = run_selfcheck(loaded.spec, model.numerics, config.threads, model.probe_linears())
     if args.json:
         print(json.dumps(report.to_dict(), sort_keys=True))
     else:

@@ -48,7 +48,7 @@ class Engine:
             torch.set_num_threads(config.threads)
         keep_freed_memory()
         self.config = config
-        self.loaded = loaded if loaded is not None else load_model(config.model)
+        self.loaded = loaded if loaded is not None else load_model(config.model, config.quantization)
         self.tokenizer = self.loaded.tokenizer
         self.spec = self.loaded.spec
         self.dtype_name = resolve_dtype(config.dtype)
@@ -59,7 +59,9 @@ class Engine:
         self.selfcheck_report: SelfCheckReport | None = None
         if config.batch_invariant and config.selfcheck:
             # Refuse invariant mode on hardware where any op probe differs (names op and shape).
-            self.selfcheck_report = run_selfcheck(self.spec, self.model.numerics, config.threads)
+            self.selfcheck_report = run_selfcheck(
+                self.spec, self.model.numerics, config.threads, self.model.probe_linears()
+            )
             self.selfcheck_report.raise_if_failed()
         self.model_digest = artifacts_digest(self.loaded.artifacts)
         self.fingerprint = fingerprint.engine_fingerprint(

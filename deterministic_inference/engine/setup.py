@@ -13,6 +13,7 @@ from deterministic_inference.errors import ConfigError
 from deterministic_inference.fingerprint import hardware_fingerprint
 from deterministic_inference.model.llama import DecoderModel, Numerics
 from deterministic_inference.model.loader import LoadedModel
+from deterministic_inference.model.quantization import apply_quantization
 from deterministic_inference.model.spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -61,13 +62,14 @@ def resolve_dtype(requested: str) -> str:
 def build_model(
     loaded: LoadedModel, config: EngineConfig, dtype_name: str, max_model_len: int
 ) -> DecoderModel:
-    """The decoder with the configured numerics; weights cast from the loader's fp32."""
+    """The decoder with the configured numerics and weight formats (`--quantization`)."""
     numerics = Numerics(
         dtype=DTYPES[dtype_name],
         batch_invariant=config.batch_invariant,
         tile_rows=config.linear_tile_rows,
     )
-    return DecoderModel(loaded.spec, loaded.weights, numerics, max_model_len)
+    weights = apply_quantization(loaded.weights, config.quantization, numerics.dtype)
+    return DecoderModel(loaded.spec, weights, numerics, max_model_len)
 
 
 def choose_num_kv_blocks(config: EngineConfig, spec: ModelSpec, max_model_len: int, dtype_name: str) -> int:

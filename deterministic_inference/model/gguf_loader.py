@@ -1,9 +1,14 @@
-"""Load a GGUF file: hyper-parameters, float32 weights under HF names, and the tokenizer.
+"""Load a GGUF file: hyper-parameters, the weights as stored under HF names, and the tokenizer.
 
-Every tensor is dequantised to float32 with `gguf.quants.dequantize` (a pure numpy function of the
-stored blocks, so the weights are the same bits on every machine). llama.cpp's converter stores the
-q/k projections of `llama` models with each head's rows interleaved as rotary pairs; `unpermute_qk`
-undoes that so the weights are in HF rotate-half layout. qwen2/qwen3 files are stored unpermuted.
+The file is memory-mapped (copy-on-write, never written). F32/F16/BF16 tensors become dense torch views
+of the map; block-quantized 2-D tensors of a supported format (`ops/quant.py`) become `QuantizedWeight`
+views: no float copy of them is made here (`--quantization` decides later what is computed dense). A
+block format the kernels do not read is dequantised to float32 with `gguf.quants.dequantize` under
+`--quantization none`, and refused with one line naming the tensor otherwise.
+
+llama.cpp's converter stores the q/k projections of `llama` models with each head's rows interleaved as
+rotary pairs: dense ones are put back in HF rotate-half order (`unpermute_qk`, an exact gather), quantized
+ones keep their bytes and get the row order (`RowOrdered`). qwen2/qwen3 files are stored unpermuted.
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ import numpy as np
 import torch
 
 from deterministic_inference.errors import ModelLoadError, UnsupportedArchitectureError
+from deterministic_inference.model.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from deterministic_inference.model.gguf_tokenizer import build_gguf_tokenizer
 from deterministic_inference.model.spec import SUPPORTED_ARCHITECTURES, ModelSpec
 from deterministic_inference.model.tokenizer import Tokenizer
+from deterministic_inference.ops.quant import QuantizedWeight, UnsupportedWeightFormat, block_format
+from deterministic_inference.ops.weights import RowOrdered, StoredWeight
 
 GGUF_MAGIC = b"GGUF"
 
@@ -88,58 +96,73 @@ def is_gguf_file(path: Path) -> bool:
         return False
 
 
-def load_gguf(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor], Tokenizer, str]:
-    """(spec, float32 weights with HF names, tokenizer, served name) from the GGUF file at `path`."""
-    reader = _open_reader(path)
-    meta = _metadata(path, reader)
+def load_gguf(
+    path: Path, quantization: str = "auto"
+) -> tuple[ModelSpec, dict[str, StoredWeight], Tokenizer, str]:
+    """(spec, stored weights with HF names, tokenizer, served name) from the GGUF file at `path`."""
+    gguf_file = _read_file(path)
+    meta = gguf_file.metadata
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{path}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    tensors = _read_tensors(path, reader)
+    tensors = _read_tensors(path, gguf_file, quantization)
     tokenizer = build_gguf_tokenizer(path, meta)
     spec = _spec(path, meta, str(arch), tensors, tokenizer)
     weights = _hf_weights(path, spec, tensors)
     return spec, weights, tokenizer, served_name(path)
 
 
-def _open_reader(path: Path) -> Any:
-    import gguf
-
+def _read_file(path: Path) -> GGUFFile:
     try:
-        return gguf.GGUFReader(str(path), "r")
-    except Exception as exc:  # the gguf package raises bare ValueError/IndexError/... on bad bytes
+        return read_gguf(path)
+    except Exception as exc:  # malformed bytes surface as struct/numpy/unicode errors too
         raise ModelLoadError(f"{path}: not a readable GGUF file (corrupt or truncated?): {exc}") from exc
 
 
-def _metadata(path: Path, reader: Any) -> dict[str, Any]:
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
+def _read_tensors(path: Path, gguf_file: GGUFFile, quantization: str) -> dict[str, StoredWeight]:
+    """Every tensor as stored (numpy row-major shapes)."""
+    out: dict[str, StoredWeight] = {}
+    for tensor in gguf_file.tensors:
+        shape = tensor.shape
+        kind = tensor.tensor_type.name
         try:
-            meta[key] = field.contents()
-        except Exception as exc:
-            raise ModelLoadError(f"{path}: GGUF metadata {key} is unreadable: {exc}") from exc
-    return meta
-
-
-def _read_tensors(path: Path, reader: Any) -> dict[str, torch.Tensor]:
-    """Every tensor dequantised to float32, with numpy (row-major) shape = reversed GGUF dims."""
-    from gguf.quants import dequantize
-
-    out: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        try:
-            values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
-            array = np.asarray(values, dtype=np.float32).reshape(shape)
+            out[tensor.name] = _stored_tensor(tensor, shape, quantization)
+        except UnsupportedWeightFormat:
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.name} has type {kind}, which the kernels do not read as stored; "
+                "run with --quantization none to dequantise it"
+            ) from None
         except Exception as exc:
             raise ModelLoadError(
-                f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}, shape {shape}) cannot be read "
+                f"{path}: tensor {tensor.name} ({kind}, shape {shape}) cannot be read "
                 f"(corrupt or truncated file?): {exc}"
             ) from exc
-        out[tensor.name] = torch.from_numpy(array.copy()).contiguous()
     return out
+
+
+def _stored_tensor(tensor: GGUFTensor, shape: tuple[int, ...], quantization: str) -> StoredWeight:
+    """A dense view (F32/F16/BF16), a QuantizedWeight view (supported 2-D block formats), or a float32
+    dequantisation (1-D blocks; other block formats under --quantization none)."""
+    data = tensor.data
+    kind = tensor.tensor_type.name
+    if kind in ("F32", "F16"):
+        return torch.from_numpy(data).reshape(shape)
+    if kind == "BF16":
+        return torch.from_numpy(data).view(torch.bfloat16).reshape(shape)
+    if len(shape) == 2:
+        try:
+            fmt = block_format(kind)
+        except UnsupportedWeightFormat:
+            if quantization != "none":
+                raise
+        else:
+            return QuantizedWeight(torch.from_numpy(data).reshape(shape[0], -1), fmt, (shape[0], shape[1]))
+    from gguf.quants import dequantize
+
+    values = np.asarray(dequantize(data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+    return torch.from_numpy(values.copy())
 
 
 def _float(meta: dict[str, Any], key: str, default: float) -> float:
@@ -156,7 +179,7 @@ def _int(path: Path, meta: dict[str, Any], key: str, default: int | None = None)
 
 
 def _spec(
-    path: Path, meta: dict[str, Any], arch: str, tensors: dict[str, torch.Tensor], tokenizer: Tokenizer
+    path: Path, meta: dict[str, Any], arch: str, tensors: dict[str, StoredWeight], tokenizer: Tokenizer
 ) -> ModelSpec:
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{path}: tensor token_embd.weight is missing")
@@ -192,8 +215,19 @@ def _spec(
     )
 
 
-def _hf_weights(path: Path, spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    weights: dict[str, torch.Tensor] = {}
+def _unpermuted(tensor: StoredWeight, heads: int) -> StoredWeight:
+    """llama.cpp's interleaved q/k rows in HF order: a gathered copy of a dense tensor, the row order
+    for a quantized one (its bytes stay where they are)."""
+    if isinstance(tensor, torch.Tensor):
+        return unpermute_qk(tensor, heads).contiguous()
+    order = unpermute_qk(torch.arange(tensor.shape[0]), heads).contiguous()  # [N]: HF row -> stored row
+    if isinstance(tensor, RowOrdered):
+        return RowOrdered(tensor.stored, tensor.order[order])
+    return RowOrdered(tensor, order)
+
+
+def _hf_weights(path: Path, spec: ModelSpec, tensors: dict[str, StoredWeight]) -> dict[str, StoredWeight]:
+    weights: dict[str, StoredWeight] = {}
     for name, tensor in tensors.items():
         target = hf_name(name)
         if target is None:
@@ -206,6 +240,7 @@ def _hf_weights(path: Path, spec: ModelSpec, tensors: dict[str, torch.Tensor]) -
                 raise ModelLoadError(
                     f"{path}: tensor {name} has {tensor.shape[0]} rows, expected {heads * spec.head_dim}"
                 )
-            tensor = unpermute_qk(tensor, heads).contiguous()
+            weights[target] = _unpermuted(tensor, heads)
+            continue
         weights[target] = tensor
     return weights

@@ -12,6 +12,7 @@ import torch
 from deterministic_inference.errors import ModelLoadError, UnsupportedArchitectureError
 from deterministic_inference.model.spec import SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
 from deterministic_inference.model.tokenizer import Tokenizer, end_of_turn_ids
+from deterministic_inference.ops.weights import StoredWeight
 
 # model_type / architectures[0] -> our architecture
 _ARCHITECTURES = {
@@ -46,13 +47,13 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_hf(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor], Tokenizer, tuple[Path, ...]]:
-    """(spec, float32 weights, tokenizer, files read) from the HF model directory at `path`."""
+def load_hf(path: Path) -> tuple[ModelSpec, dict[str, StoredWeight], Tokenizer, tuple[Path, ...]]:
+    """(spec, weights as stored (fp32/bf16/fp16), tokenizer, files read) from the HF directory at `path`."""
     config_path = path / "config.json"
     config = read_json(config_path)
     arch = _architecture(config_path, config)
     weight_files = _weight_files(path)
-    weights = _load_weights(weight_files)
+    weights: dict[str, StoredWeight] = dict(_load_weights(weight_files))
     tokenizer, tokenizer_files = _load_tokenizer(path, config)
     spec = _spec(config_path, config, arch, weights, tokenizer)
     if spec.tie_word_embeddings:
@@ -121,7 +122,7 @@ def _spec(
     config_path: Path,
     config: dict[str, Any],
     arch: str,
-    weights: dict[str, torch.Tensor],
+    weights: dict[str, StoredWeight],
     tokenizer: Tokenizer,
 ) -> ModelSpec:
     try:
@@ -172,7 +173,9 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _load_weights(files: list[Path]) -> dict[str, torch.Tensor]:
-    """All tensors as float32 contiguous CPU tensors; `model.` prefix added where a checkpoint omits it."""
+    """All tensors as contiguous CPU tensors in their stored float dtype (fp32, bf16, fp16; other dtypes
+    as fp32: the model casts to --dtype when it is built); `model.` prefix added where a checkpoint
+    omits it."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -189,7 +192,9 @@ def _load_weights(files: list[Path]) -> dict[str, torch.Tensor]:
                 continue
             if name.startswith(("layers.", "embed_tokens.", "norm.")):
                 name = "model." + name
-            weights[name] = tensor.to(torch.float32).contiguous()
+            if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                tensor = tensor.to(torch.float32)
+            weights[name] = tensor.contiguous()
     return weights
 
 

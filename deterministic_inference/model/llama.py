@@ -14,8 +14,9 @@ import torch
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata
 from deterministic_inference.ops.backend import KVCache, Numerics, OpsBackend, select_backend, split_heads
+from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.rope import RotaryTable
-from deterministic_inference.ops.weights import StoredWeight
+from deterministic_inference.ops.weights import StoredWeight, dense, dtype_format
 
 # layer_hook(layer_index, hidden): called with [T, hidden] after each block and (index L) after the final norm
 LayerHook = Callable[[int, torch.Tensor], None]
@@ -33,23 +34,33 @@ class DecoderLayer:
         self.ops = ops
         dtype = ops.numerics.dtype
 
-        def vector(name: str) -> torch.Tensor:
-            return weights[prefix + name].to(dtype)
+        vectors: list[str] = []  # names of the 1-D weights read, all kept in the model dtype
 
-        names = ("q_proj", "k_proj", "v_proj")
+        def vector(name: str) -> torch.Tensor:
+            vectors.append(prefix + name)
+            return dense(weights[prefix + name], dtype)
+
+        def matrices(*names: str) -> list[StoredWeight]:
+            return [weights[prefix + name] for name in names]
+
+        qkv = tuple(f"self_attn.{n}_proj.weight" for n in "qkv")
+        mlp = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
         qkv_bias = None
         if spec.attention_bias:
-            qkv_bias = torch.cat([vector(f"self_attn.{name}.bias") for name in names])
-        self.qkv = ops.linear([weights[f"{prefix}self_attn.{name}.weight"] for name in names], qkv_bias)
-        self.o_proj = ops.linear(weights[prefix + "self_attn.o_proj.weight"])  # [hidden, H * D]
-        self.gate_up = ops.linear(
-            [weights[prefix + "mlp.gate_proj.weight"], weights[prefix + "mlp.up_proj.weight"]]
-        )
-        self.down = ops.linear(weights[prefix + "mlp.down_proj.weight"])  # [hidden, inter]
+            qkv_bias = torch.cat([vector(f"self_attn.{n}_proj.bias") for n in "qkv"])
+        self.qkv = ops.linear(matrices(*qkv), qkv_bias)  # [(H + 2*KVH) * D, hidden]
+        self.o_proj = ops.linear(matrices("self_attn.o_proj.weight"))  # [hidden, H * D]
+        self.gate_up = ops.linear(matrices(*mlp))  # [2 * inter, hidden]
+        self.down = ops.linear(matrices("mlp.down_proj.weight"))  # [hidden, inter]
         self.input_norm = vector("input_layernorm.weight")
         self.post_attention_norm = vector("post_attention_layernorm.weight")
         self.q_norm = vector("self_attn.q_norm.weight") if spec.qk_norm else None
         self.k_norm = vector("self_attn.k_norm.weight") if spec.qk_norm else None
+        # tensor name -> the format it is computed in (the fingerprint's numerics)
+        names = (*qkv, "self_attn.o_proj.weight", *mlp, "mlp.down_proj.weight")
+        formats = (*self.qkv.formats, *self.o_proj.formats, *self.gate_up.formats, *self.down.formats)
+        self.weight_formats = {prefix + name: fmt for name, fmt in zip(names, formats, strict=True)}
+        self.weight_formats.update((name, dtype_format(dtype)) for name in vectors)
 
     def __call__(
         self,
@@ -95,13 +106,30 @@ class DecoderModel:
         self.ops = select_backend(numerics)
         self.embed = self.ops.embedding(weights["model.embed_tokens.weight"])  # [vocab, hidden]
         self.layers = [DecoderLayer(spec, weights, i, self.ops) for i in range(spec.num_layers)]
-        self.final_norm = weights["model.norm.weight"].to(numerics.dtype)
+        self.final_norm = dense(weights["model.norm.weight"], numerics.dtype)
         head = weights["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
         # Logits in fp32 whatever the model dtype: fp32 sums of the model-dtype weight and hidden state.
         self.lm_head = self.ops.logits_head(head)
         self.rotary = RotaryTable(spec.head_dim, spec.rope_theta, max_positions, spec.rope_scaling)
-        # tensor name -> the format the backend computes it in (the fingerprint's numerics)
-        self.weight_formats = {name: self.ops.weight_format(w) for name, w in sorted(weights.items())}
+        # tensor name -> the format the model computes it in (the fingerprint's numerics); the head has
+        # its own entry when tied (the embedding table read by the logits GEMM)
+        formats = {"model.embed_tokens.weight": self.embed.format, "lm_head.weight": self.lm_head.formats[0]}
+        formats["model.norm.weight"] = dtype_format(numerics.dtype)
+        for layer in self.layers:
+            formats.update(layer.weight_formats)
+        self.weight_formats = dict(sorted(formats.items()))
+
+    def probe_linears(self) -> list[tuple[str, Linear]]:
+        """(role, linear) for the first linear of each role and weight-format mix (what the start-up
+        self-check probes: every format the model computes in, at its real shape)."""
+        found: dict[tuple[str, tuple[str, ...]], Linear] = {}
+        for layer in self.layers:
+            for role, linear in (
+                ("qkv", layer.qkv), ("o_proj", layer.o_proj), ("gate_up", layer.gate_up), ("down", layer.down)
+            ):  # fmt: skip
+                found.setdefault((role, linear.formats), linear)
+        found[("lm_head", self.lm_head.formats)] = self.lm_head
+        return [(role, linear) for (role, _), linear in found.items()]
 
     def forward(
         self,

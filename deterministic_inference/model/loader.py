@@ -5,35 +5,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from deterministic_inference.errors import ModelLoadError
 from deterministic_inference.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from deterministic_inference.model.gguf_loader import is_gguf_file, load_gguf
 from deterministic_inference.model.hf_loader import load_hf
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.model.tokenizer import Tokenizer
+from deterministic_inference.ops.weights import StoredWeight
 
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A model ready for an architecture: hyper-parameters, float32 weights, tokenizer, provenance."""
+    """A model ready for an architecture: hyper-parameters, weights as stored, tokenizer, provenance."""
 
     spec: ModelSpec
-    weights: dict[str, torch.Tensor]  # HF Llama-style names (see spec.py), float32, CPU, contiguous
+    weights: dict[str, StoredWeight]  # HF Llama-style names (see spec.py): dense or quantized, as stored
     tokenizer: Tokenizer
     artifacts: tuple[Path, ...]  # every file read (weights, tokenizer, config), for digests
     source: str  # "gguf" or "hf"
     name: str  # default served model name
 
 
-def load_model(path: str | None) -> LoadedModel:
+def load_model(path: str | None, quantization: str = "auto") -> LoadedModel:
     """Load a GGUF file or HF directory (None = the embedded default model).
 
-    The result depends only on the files' bytes: dequantisation and layout changes are exact."""
+    The result depends only on the files' bytes: weights stay as stored (see the loaders); only GGUF
+    block formats the kernels cannot read are dequantised, and only under `quantization` "none"."""
     if path is None:
         gguf_path = default_model_path()
-        spec, weights, tokenizer, _ = load_gguf(gguf_path)
+        spec, weights, tokenizer, _ = load_gguf(gguf_path, quantization)
         return _checked(LoadedModel(spec, weights, tokenizer, (gguf_path,), "gguf", DEFAULT_MODEL_NAME))
     target = Path(path).expanduser()
     if target.is_dir():
@@ -48,7 +48,7 @@ def load_model(path: str | None) -> LoadedModel:
             f"{target}: not a GGUF file (no GGUF magic bytes) and not a directory; pass a .gguf file "
             "or a Hugging Face model directory"
         )
-    spec, weights, tokenizer, name = load_gguf(target)
+    spec, weights, tokenizer, name = load_gguf(target, quantization)
     return _checked(LoadedModel(spec, weights, tokenizer, (target,), "gguf", name))
 
 

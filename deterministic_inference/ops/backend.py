@@ -24,7 +24,7 @@ from deterministic_inference.ops.linear import Linear, LinearWeight
 from deterministic_inference.ops.native import NativeKernels, native_kernels
 from deterministic_inference.ops.norm import rms_norm
 from deterministic_inference.ops.rope import RotaryTable
-from deterministic_inference.ops.weights import Embedding, StoredWeight, dtype_format
+from deterministic_inference.ops.weights import Embedding, StoredWeight, dense
 
 # One layer's paged cache: (keys [blocks, KVH, D, block_size], values [blocks, KVH, block_size, D])
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -44,10 +44,6 @@ class OpsBackend(Protocol):
 
     name: str
     numerics: Numerics
-
-    def weight_format(self, weight: StoredWeight) -> str:
-        """The format this backend computes with `weight` in (for the fingerprint's numerics)."""
-        ...
 
     def linear(self, weight: LinearWeight, bias: torch.Tensor | None = None) -> Linear:
         """x [T, in] -> [T, out] in the model dtype; `weight` may stack several stored parts by rows."""
@@ -102,10 +98,6 @@ class NativeBackend:
     def __init__(self, numerics: Numerics, kernels: NativeKernels) -> None:
         self.numerics = numerics
         self.kernels = kernels
-
-    def weight_format(self, weight: StoredWeight) -> str:
-        """Dense weights are cast to the model dtype."""
-        return dtype_format(self.numerics.dtype)
 
     def linear(self, weight: LinearWeight, bias: torch.Tensor | None = None) -> Linear:
         numerics = self.numerics
@@ -164,16 +156,13 @@ class NativeBackend:
 
 
 class TorchBackend:
-    """`batch_invariant=False`: plain torch ops (not reproducible across batches)."""
+    """`batch_invariant=False`: plain torch ops (not reproducible across batches). Quantized weights are
+    dequantised to the model dtype when the model is built (memory as with --quantization none)."""
 
     name = "torch"
 
     def __init__(self, numerics: Numerics) -> None:
         self.numerics = numerics
-
-    def weight_format(self, weight: StoredWeight) -> str:
-        """Every weight is computed dense in the model dtype."""
-        return dtype_format(self.numerics.dtype)
 
     def linear(self, weight: LinearWeight, bias: torch.Tensor | None = None) -> Linear:
         numerics = self.numerics
@@ -190,7 +179,8 @@ class TorchBackend:
         )  # fmt: skip
 
     def embedding(self, weight: StoredWeight) -> Embedding:
-        return Embedding(weight, self.numerics.dtype)
+        """A dense table (a quantized one dequantised here, at build)."""
+        return Embedding(dense(weight, self.numerics.dtype), self.numerics.dtype)
 
     def add_rms_norm(
         self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float

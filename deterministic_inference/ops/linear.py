@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 import torch.nn.functional as F
 
-from deterministic_inference.ops.weights import StoredWeight, dense
+from deterministic_inference.ops.quant import QuantizedWeight, QuantLinear
+from deterministic_inference.ops.weights import (
+    RowOrdered,
+    StoredWeight,
+    dense,
+    dtype_format,
+    is_quantized,
+    quant_part,
+    stored_format,
+)
 
 if TYPE_CHECKING:
     from deterministic_inference.ops.native import NativeKernels
@@ -41,7 +50,7 @@ def mkldnn_available(dtype: torch.dtype) -> bool:
     )
 
 
-LinearWeight = StoredWeight | Sequence[StoredWeight]  # one matrix, or several stacked by rows
+LinearWeight: TypeAlias = StoredWeight | Sequence[StoredWeight]  # one matrix, or several stacked by rows
 
 
 class Linear:
@@ -49,9 +58,13 @@ class Linear:
 
     `weight` is one stored matrix [out, in] or several stacked by rows (q, k and v; gate and up): the
     linear computes as if they were one matrix. Dense weights are cast to `dtype` (default: the first
-    part's dtype) when the linear is built.
+    part's dtype) when the linear is built; quantized weights stay as stored when every part is
+    quantized and the compiled kernels run, else they are dequantised to `dtype` here (the plain
+    backend; a linear mixing quantized and float parts).
 
-    Why invariant: for bf16 weights with the compiled kernels (`kernels`, backend "native") every output
+    Why invariant: quantized weights with the compiled kernels (backend "quant", `ops/quant.py`)
+    quantize each activation row by itself and sum exact integer products, scaled in a fixed order per
+    output. For dense bf16 weights with the compiled kernels (`kernels`, backend "native") every output
     is a fixed-order fp32 sum over its own row and column (ops/csrc/gemm.c), so no padding is needed.
     Otherwise (fp32 weights, or no kernels) oneDNN or MKL is called on a padded row count: they pick
     their kernel and reduction order from the GEMM's shape, and padding to a multiple of `tile_rows`
@@ -75,29 +88,55 @@ class Linear:
         out_dtype: torch.dtype | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        parts = [weight] if isinstance(weight, torch.Tensor) else list(weight)
-        dtype = dtype or parts[0].dtype
-        dense_weight = _stack([dense(part, dtype) for part in parts])  # [N, K] in dtype
+        parts = [weight] if isinstance(weight, (torch.Tensor, QuantizedWeight, RowOrdered)) else list(weight)
+        first = parts[0]
+        dtype = dtype or (first.dtype if isinstance(first, torch.Tensor) else torch.float32)
         self.out_dtype = out_dtype or dtype
         self.tile_rows = tile_rows
         self.batch_invariant = batch_invariant
-        self.out_features, self.in_features = dense_weight.shape
         bias = None if bias is None else bias.to(dtype)
-        # native path: the kernels, the packed weight [ceil(N/16) * ceil(K/2) * 32] and the fp32 bias
         self._native: tuple[NativeKernels, torch.Tensor, torch.Tensor | None] | None = None
-        if kernels is not None and batch_invariant and dtype == torch.bfloat16:
+        self._quant: QuantLinear | None = None
+        if kernels is not None and batch_invariant and all(is_quantized(part) for part in parts):
+            blocks = [quant_part(part) for part in parts]  # type: ignore[arg-type]
+            self._quant = QuantLinear(
+                kernels, [b for b, _ in blocks], bias=bias, out_dtype=self.out_dtype,
+                row_orders=[order for _, order in blocks],
+            )  # fmt: skip
+            self.backend = "quant"
+            self.formats = tuple(stored_format(part) for part in parts)
+            self.out_features, self.in_features = self._quant.out_features, self._quant.in_features
+            return
+        # Dense: every part cast (quantized parts dequantised: the plain backend, or a linear mixing
+        # quantized and float parts) and stacked.
+        self.formats = (dtype_format(dtype),) * len(parts)
+        self._init_dense(_stack([dense(part, dtype) for part in parts]), bias, dtype, kernels, backend)
+
+    def _init_dense(
+        self,
+        weight: torch.Tensor,  # [N, K] in dtype
+        bias: torch.Tensor | None,  # [N] in dtype
+        dtype: torch.dtype,
+        kernels: NativeKernels | None,
+        backend: str,
+    ) -> None:
+        self.out_features, self.in_features = weight.shape
+        if kernels is not None and self.batch_invariant and dtype == torch.bfloat16:
+            # native path: the kernels, the packed weight [ceil(N/16) * ceil(K/2) * 32] and the fp32 bias
             self.backend = "native"
             bias32 = None if bias is None else bias.float().contiguous()
-            self._native = (kernels, kernels.pack_bf16(dense_weight.contiguous()), bias32)
+            self._native = (kernels, kernels.pack_bf16(weight.contiguous()), bias32)
             return
-        self.weight = dense_weight.to(self.out_dtype).contiguous()
+        self.weight = weight.to(self.out_dtype).contiguous()
         self.bias = None if bias is None else bias.to(self.out_dtype).contiguous()
-        use_mkldnn = backend == "mkldnn" and batch_invariant and mkldnn_available(self.weight.dtype)
+        use_mkldnn = backend == "mkldnn" and self.batch_invariant and mkldnn_available(self.weight.dtype)
         self.backend = "mkldnn" if use_mkldnn else "aten"
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None) if use_mkldnn else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [M, in] -> [M, out] in `out_dtype`."""
+        if self._quant is not None:
+            return self._quant(x)
         if self._native is not None:
             kernels, packed, bias32 = self._native
             return kernels.gemm_bf16(x.contiguous(), packed, self.out_features, bias32, self.out_dtype)

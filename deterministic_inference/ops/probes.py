@@ -12,7 +12,7 @@ backend (random weights and inputs from a fixed seed; `selfcheck.run_selfcheck` 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -21,6 +21,7 @@ import torch
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache, write_kv
 from deterministic_inference.ops.backend import Numerics, OpsBackend, select_backend
+from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.rope import RotaryTable
 
 PROBE_ROWS = 4  # random rows probed per row op (whether a kernel differs can depend on the data)
@@ -89,10 +90,33 @@ def row_probe(
 
 
 def linear_probes(
-    spec: ModelSpec, ops: OpsBackend, threads: int, generator: torch.Generator
+    spec: ModelSpec,
+    ops: OpsBackend,
+    threads: int,
+    generator: torch.Generator,
+    linears: Sequence[tuple[str, Linear]] | None = None,
 ) -> list[ProbeResult]:
-    """Each distinct dense linear of the model (fused qkv, o, fused gate_up, down) and the fp32 logits
-    head, built by the model's backend from random weights of the real shapes."""
+    """Each linear of the model, with random input rows: `linears` (name, the model's own Linear: its
+    real weights, formats and row orders), else random dense weights of the real shapes (fused qkv, o,
+    fused gate_up, down, the fp32 logits head) built by the backend."""
+    if linears is None:
+        linears = _random_dense_linears(spec, ops, generator)
+    results, dtype, tile_rows = [], ops.numerics.dtype, ops.numerics.tile_rows
+    for name, linear in linears:
+        rows = torch.randn(PROBE_ROWS, linear.in_features, generator=generator).to(dtype)
+        tile = f" T={tile_rows}" if linear.backend in ("mkldnn", "aten") else ""
+        formats = "+".join(sorted(set(linear.formats)))
+        types = f"{dtype_name(dtype)}->{dtype_name(linear.out_dtype)}"
+        shape = f"{linear.in_features}->{linear.out_features}"
+        label = f"{name} {shape} {types} {linear.backend}{tile} weights {formats}"
+        sizes = batch_sizes(tile_rows, 33 if name == "lm_head" else 64)
+        results.append(row_probe("linear", label, linear, rows, sizes, threads, generator))
+    return results
+
+
+def _random_dense_linears(
+    spec: ModelSpec, ops: OpsBackend, generator: torch.Generator
+) -> list[tuple[str, Linear]]:
     q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     shapes = {
         "qkv": (q_size + 2 * kv_size, spec.hidden_size, spec.attention_bias),
@@ -101,18 +125,12 @@ def linear_probes(
         "down": (spec.hidden_size, spec.intermediate_size, False),
         "lm_head": (spec.vocab_size, spec.hidden_size, False),
     }
-    results, dtype, tile_rows = [], ops.numerics.dtype, ops.numerics.tile_rows
+    dtype, linears = ops.numerics.dtype, []
     for name, (out_features, in_features, has_bias) in shapes.items():
         weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
         bias = torch.randn(out_features, generator=generator).to(dtype) if has_bias else None
-        linear = ops.logits_head(weight) if name == "lm_head" else ops.linear(weight, bias)
-        rows = torch.randn(PROBE_ROWS, in_features, generator=generator).to(dtype)
-        tile = "" if linear.backend == "native" else f" T={tile_rows}"
-        types = f"{dtype_name(dtype)}->{dtype_name(linear.out_dtype)}"
-        label = f"{name} {in_features}->{out_features} {types} {linear.backend}{tile}"
-        sizes = batch_sizes(tile_rows, 33 if name == "lm_head" else 64)
-        results.append(row_probe("linear", label, linear, rows, sizes, threads, generator))
-    return results
+        linears.append((name, ops.logits_head(weight) if name == "lm_head" else ops.linear(weight, bias)))
+    return linears
 
 
 def elementwise_probes(

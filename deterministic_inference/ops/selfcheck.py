@@ -9,6 +9,7 @@ and shape, if any probe differs.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from deterministic_inference.errors import SelfCheckError
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.backend import Numerics, select_backend
+from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.probes import (
     AttentionWorld,
     ProbeResult,
@@ -90,12 +92,19 @@ class SelfCheckReport:
             )
 
 
-def run_selfcheck(spec: ModelSpec, numerics: Numerics, threads: int | None) -> SelfCheckReport:
+def run_selfcheck(
+    spec: ModelSpec,
+    numerics: Numerics,
+    threads: int | None,
+    linears: Sequence[tuple[str, Linear]] | None = None,
+) -> SelfCheckReport:
     """Probe every op the model uses at its real shapes through the backend `numerics` selects; threads
     None = torch's current.
 
     References are computed with one thread, probes with `threads`, so a pass also shows the thread
     count does not change bits. Random data comes from a fixed seed (the check itself is reproducible).
+    `linears` are the model's own linears (`DecoderModel.probe_linears`: one per role and weight-format
+    mix, so every format the model uses is probed); None probes random dense weights of `spec`'s shapes.
     """
     probe_threads = threads if threads is not None else torch.get_num_threads()
     start = time.perf_counter()
@@ -103,7 +112,7 @@ def run_selfcheck(spec: ModelSpec, numerics: Numerics, threads: int | None) -> S
     results: list[ProbeResult] = []
     ops = select_backend(numerics)
     with torch_threads(probe_threads):
-        results.extend(linear_probes(spec, ops, probe_threads, generator))
+        results.extend(linear_probes(spec, ops, probe_threads, generator, linears))
         results.extend(elementwise_probes(spec, ops, probe_threads, generator))
         results.append(exp_probe(generator))
         results.append(attention_probe(spec, ops, probe_threads, generator))

@@ -75,11 +75,16 @@ def random_prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def run_case(
-    loaded: LoadedModel, target: list[int], params: SamplingParams, case: Case, batch_invariant: bool
+    loaded: LoadedModel,
+    target: list[int],
+    params: SamplingParams,
+    case: Case,
+    batch_invariant: bool,
+    dtype: str = "float32",
 ) -> tuple[Result, int]:
     """The target's result inside the case's batch, and how many preemptions happened."""
     config = EngineConfig(
-        dtype="float32",
+        dtype=dtype,
         batch_invariant=batch_invariant,
         max_num_batched_tokens=case.budget,
         threads=case.threads,

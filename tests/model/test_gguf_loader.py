@@ -11,6 +11,8 @@ import torch
 
 from deterministic_inference.model.gguf_loader import permute_qk, served_name, unpermute_qk
 from deterministic_inference.model.loader import LoadedModel, load_model
+from deterministic_inference.ops.quant import QuantizedWeight
+from deterministic_inference.ops.weights import dense, stored_format
 from tests.tiny_models import TinyModel, build_hf_model, write_gguf
 
 TEXTS = [
@@ -81,9 +83,11 @@ def test_q8_0_weights_are_the_exact_dequantisation(tiny_llama_gguf_q8: TinyModel
     embed = raw["token_embd.weight"]
     assert embed.tensor_type == gguf.GGMLQuantizationType.Q8_0
     expected = torch.from_numpy(gguf.quants.dequantize(np.array(embed.data), embed.tensor_type).copy())
-    assert _same_bits(loaded.weights["model.embed_tokens.weight"], expected)
+    stored = loaded.weights["model.embed_tokens.weight"]
+    assert isinstance(stored, QuantizedWeight) and stored.fmt.name == "Q8_0"  # kept as stored
+    assert _same_bits(dense(stored, torch.float32), expected)
     for name, tensor in tiny_llama_gguf_q8.state_dict.items():
-        error = (loaded.weights[name] - tensor).abs().max().item()
+        error = (dense(loaded.weights[name], torch.float32) - tensor).abs().max().item()
         assert error <= (0.0 if tensor.dim() == 1 else 0.01 * tensor.abs().max().item()), name
 
 
@@ -121,9 +125,12 @@ def test_default_model_spec(smollm2: LoadedModel) -> None:
     assert smollm2.name == "SmolLM2-135M-Instruct" and smollm2.source == "gguf"
     assert smollm2.artifacts[0].name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert "lm_head.weight" not in smollm2.weights
-    for name, tensor in smollm2.weights.items():
-        assert tensor.dtype == torch.float32 and tensor.is_contiguous(), name
-        assert bool(torch.isfinite(tensor).all()), name
+    formats = {name: stored_format(weight) for name, weight in smollm2.weights.items()}
+    assert formats["model.embed_tokens.weight"] == "q8_0" and formats["model.norm.weight"] == "f32"
+    names = ("self_attn.q_proj.weight", "mlp.down_proj.weight")
+    assert {formats[f"model.layers.3.{name}"] for name in names} == {"q4_1"}
+    for name, weight in smollm2.weights.items():
+        assert bool(torch.isfinite(dense(weight, torch.float32)).all()), name
 
 
 @pytest.mark.slow

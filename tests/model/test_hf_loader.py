@@ -101,12 +101,13 @@ def test_generation_config_eos_ids_are_added(tiny_qwen3_dir: TinyModel, tmp_path
     assert load_model(str(path)).tokenizer.eos_token_ids == (0, 2)
 
 
-def test_bfloat16_weights_load_as_float32(tiny_llama_dir: TinyModel, tmp_path: Path) -> None:
+def test_bfloat16_weights_load_as_stored(tiny_llama_dir: TinyModel, tmp_path: Path) -> None:
+    """A bf16 checkpoint stays bf16 in memory (the model casts to --dtype when it is built)."""
     path = tmp_path / "bf16"
     copy.deepcopy(tiny_llama_dir.model).to(torch.bfloat16).save_pretrained(str(path))  # the fixture is shared
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_llama_dir.path / name, path / name)
     loaded = load_model(str(path))
     for name, tensor in tiny_llama_dir.state_dict.items():
-        assert loaded.weights[name].dtype == torch.float32
-        assert torch.equal(loaded.weights[name], tensor.to(torch.bfloat16).to(torch.float32)), name
+        assert loaded.weights[name].dtype == torch.bfloat16
+        assert torch.equal(loaded.weights[name], tensor.to(torch.bfloat16)), name

@@ -41,7 +41,8 @@ def test_logits_match_transformers(
 
 @pytest.mark.slow
 def test_smollm2_greedy_tokens_match_transformers() -> None:
-    """64 greedy steps on the real default model: same tokens as transformers fed the same weights."""
+    """64 greedy steps on the real default model: same tokens as transformers fed the same weights
+    (dequantised: --quantization none, so both compute with the same dense fp32 weights)."""
     from deterministic_inference.config import EngineConfig
     from deterministic_inference.engine.engine import Engine
     from deterministic_inference.engine.sampling_params import SamplingParams
@@ -50,7 +51,7 @@ def test_smollm2_greedy_tokens_match_transformers() -> None:
     # eos handling is off on both sides (ours: ignore_eos); min_new_tokens would instead suppress
     # the eos logit in transformers and change its argmax.
     reference = transformers_llama(loaded)
-    engine = Engine(EngineConfig(dtype="float32", selfcheck=False), loaded=loaded)
+    engine = Engine(EngineConfig(dtype="float32", quantization="none", selfcheck=False), loaded=loaded)
     prompts = [
         engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
         "def fibonacci(n):",

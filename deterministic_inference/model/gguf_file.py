@@ -1,0 +1,147 @@
+"""A GGUF file's header (metadata and tensor directory) and its tensors as views on a memory map.
+
+The `gguf` package's reader builds numpy objects for every element of every metadata array (a 49k-token
+vocabulary and its merges: ~160 MB of Python objects at load); this reader decodes the header straight
+into Python values and maps the file once (copy-on-write: the views are writable, the file is never
+written), so loading costs the tokenizer's strings and the pages the model touches.
+
+Layout (GGUF v2/v3, little endian): magic "GGUF", u32 version, u64 tensor count, u64 key/value count;
+key/value pairs (string key, u32 value type, value); tensor infos (string name, u32 dims, u64 dims[],
+u32 ggml type, u64 offset); then the data section at the next multiple of `general.alignment` (32).
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+MAGIC = b"GGUF"
+_SCALARS = {  # GGUF value type -> struct format
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
+}  # fmt: skip
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<?", 10: "<u8",
+          11: "<i8", 12: "<f8"}  # fmt: skip
+_STRING, _ARRAY = 8, 9
+_DENSE = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+
+
+class GGUFFormatError(ValueError):
+    """The bytes are not a well-formed GGUF file (corrupt or truncated)."""
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of the file: `data` is a view on the map (F32/F16: typed [rows..., cols]; any other
+    type: raw bytes uint8 [rows..., row_bytes])."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order (the file's dims reversed)
+    data: np.ndarray
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """Metadata (arrays as lists) and tensors of a GGUF file."""
+
+    metadata: dict[str, Any]
+    tensors: tuple[GGUFTensor, ...]
+
+
+class _Cursor:
+    """Reads little-endian values from the mapped header, refusing to run past the end."""
+
+    def __init__(self, buffer: mmap.mmap) -> None:
+        self.buffer, self.offset = buffer, 0
+
+    def take(self, size: int) -> int:
+        start = self.offset
+        if size < 0 or start + size > len(self.buffer):
+            raise GGUFFormatError(f"the header runs past the end of the file at byte {start}")
+        self.offset += size
+        return start
+
+    def scalar(self, kind: int) -> Any:
+        layout = _SCALARS[kind]
+        return struct.unpack_from(layout, self.buffer, self.take(struct.calcsize(layout)))[0]
+
+    def string(self) -> str:
+        size = self.scalar(10)
+        start = self.take(size)
+        return bytes(self.buffer[start : start + size]).decode("utf-8", errors="replace")
+
+    def value(self, kind: int) -> Any:
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item_kind, count = self.scalar(4), self.scalar(10)
+            if item_kind in _NUMPY:
+                dtype = np.dtype(_NUMPY[item_kind])
+                start = self.take(count * dtype.itemsize)
+                return np.frombuffer(self.buffer, dtype, count, start).tolist()
+            return [self.value(item_kind) for _ in range(count)]
+        if kind not in _SCALARS:
+            raise GGUFFormatError(f"unknown metadata value type {kind} at byte {self.offset}")
+        return self.scalar(kind)
+
+
+def read_gguf(path: Path) -> GGUFFile:
+    """Parse the header and map the tensors. Raises GGUFFormatError on malformed or truncated bytes."""
+    with open(path, "rb") as handle:
+        buffer = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    cursor = _Cursor(buffer)
+    if bytes(buffer[cursor.take(4) : 4]) != MAGIC:
+        raise GGUFFormatError("no GGUF magic bytes")
+    version = cursor.scalar(4)
+    if version not in (2, 3):
+        raise GGUFFormatError(f"GGUF version {version} is not supported (2 or 3)")
+    tensor_count, kv_count = cursor.scalar(10), cursor.scalar(10)
+    metadata: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key = cursor.string()
+        metadata[key] = cursor.value(cursor.scalar(4))
+    infos = [_tensor_info(cursor) for _ in range(tensor_count)]
+    alignment = int(metadata.get("general.alignment", 32))
+    data_start = -(-cursor.offset // alignment) * alignment
+    whole = np.frombuffer(buffer, np.uint8)  # keeps the map alive while any view lives
+    tensors = tuple(_tensor(whole, data_start, *info) for info in infos)
+    return GGUFFile(metadata, tensors)
+
+
+def _tensor_info(cursor: _Cursor) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
+    name = cursor.string()
+    dims = tuple(cursor.scalar(10) for _ in range(cursor.scalar(4)))
+    kind, offset = cursor.scalar(4), cursor.scalar(10)
+    try:
+        ggml_type = GGMLQuantizationType(kind)
+    except ValueError:
+        raise GGUFFormatError(f"tensor {name} has an unknown type id {kind}") from None
+    return name, tuple(reversed(dims)), ggml_type, offset
+
+
+def _tensor(
+    whole: np.ndarray,  # the whole file, uint8
+    data_start: int,
+    name: str,
+    shape: tuple[int, ...],
+    kind: GGMLQuantizationType,
+    offset: int,  # from the data section's start
+) -> GGUFTensor:
+    block_values, block_bytes = GGML_QUANT_SIZES[kind]
+    if not shape or shape[-1] % block_values:
+        raise GGUFFormatError(f"tensor {name}: {shape[-1:]} values per row is not whole {kind.name} blocks")
+    row_bytes = shape[-1] // block_values * block_bytes
+    size = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes
+    start = data_start + offset
+    if start + size > whole.shape[0]:
+        raise GGUFFormatError(f"tensor {name} runs past the end of the file")
+    raw = whole[start : start + size]
+    if kind in _DENSE:
+        return GGUFTensor(name, kind, shape, raw.view(_DENSE[kind]).reshape(shape))
+    return GGUFTensor(name, kind, shape, raw.reshape(*shape[:-1], row_bytes))

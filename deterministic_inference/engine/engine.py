@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from deterministic_inference.engine.setup import (
     build_model,
     choose_num_kv_blocks,
     keep_freed_memory,
+    release_freed_memory,
     resolve_dtype,
 )
 from deterministic_inference.errors import InvalidRequestError
@@ -55,15 +57,19 @@ class Engine:
         self.max_model_len = min(
             config.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings
         )
-        self.model = build_model(self.loaded, config, self.dtype_name, self.max_model_len)
-        self.selfcheck_report: SelfCheckReport | None = None
-        if config.batch_invariant and config.selfcheck:
-            # Refuse invariant mode on hardware where any op probe differs (names op and shape).
-            self.selfcheck_report = run_selfcheck(
-                self.spec, self.model.numerics, config.threads, self.model.probe_linears()
-            )
-            self.selfcheck_report.raise_if_failed()
-        self.model_digest = artifacts_digest(self.loaded.artifacts)
+        # The files' sha256 (a second for a 1 GB file) runs beside the build and the self-check:
+        # hashlib releases the GIL while it hashes.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="detinf-digest") as hashing:
+            digest = hashing.submit(artifacts_digest, self.loaded.artifacts)
+            self.model = build_model(self.loaded, config, self.dtype_name, self.max_model_len)
+            self.selfcheck_report: SelfCheckReport | None = None
+            if config.batch_invariant and config.selfcheck:
+                # Refuse invariant mode on hardware where any op probe differs (names op and shape).
+                self.selfcheck_report = run_selfcheck(
+                    self.spec, self.model.numerics, config.threads, self.model.probe_linears()
+                )
+                self.selfcheck_report.raise_if_failed()
+            self.model_digest = digest.result()
         self.fingerprint = fingerprint.engine_fingerprint(
             self.model_digest, config.numerics(self.dtype_name, self.model.weight_formats)
         )
@@ -76,6 +82,7 @@ class Engine:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
         self.runner = ModelRunner(self.model, num_blocks, config.kv_block_size)
+        release_freed_memory()  # the load's and the self-check's temporaries
         self.record_trace = record_trace
         self.trace: list[StepPlan] = []
         self._states: dict[str, SequenceState] = {}  # sequence id -> state

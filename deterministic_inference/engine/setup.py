@@ -52,6 +52,18 @@ def keep_freed_memory() -> bool:
     return bool(mmap_set) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
 
 
+def release_freed_memory() -> bool:
+    """Return the heap's free memory to the OS once (glibc malloc_trim): the load and the start-up
+    self-check leave tens of MB of freed temporaries that `keep_freed_memory` would otherwise keep
+    resident for the process's life. Speed and values unchanged; False where there is no malloc_trim."""
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name is not None else None
+    if trim is None:
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))
+
+
 def resolve_dtype(requested: str) -> str:
     """ "auto" -> "bfloat16" on CPUs with native bf16, else "float32"; explicit names pass through."""
     if requested != "auto":

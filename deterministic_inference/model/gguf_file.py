@@ -76,6 +76,22 @@ class _Cursor:
         start = self.take(size)
         return bytes(self.buffer[start : start + size]).decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in a row (a vocabulary: one tight loop, no call per item)."""
+        buffer, offset, end = self.buffer, self.offset, len(self.buffer)
+        unpack, out = struct.Struct("<Q").unpack_from, []
+        for _ in range(count):
+            if offset + 8 > end:
+                raise GGUFFormatError(f"a string array runs past the end of the file at byte {offset}")
+            (size,) = unpack(buffer, offset)
+            offset += 8
+            if offset + size > end:
+                raise GGUFFormatError(f"a string array runs past the end of the file at byte {offset}")
+            out.append(buffer[offset : offset + size].decode("utf-8", errors="replace"))
+            offset += size
+        self.offset = offset
+        return out
+
     def value(self, kind: int) -> Any:
         if kind == _STRING:
             return self.string()
@@ -85,6 +101,8 @@ class _Cursor:
                 dtype = np.dtype(_NUMPY[item_kind])
                 start = self.take(count * dtype.itemsize)
                 return np.frombuffer(self.buffer, dtype, count, start).tolist()
+            if item_kind == _STRING:
+                return self.strings(count)
             return [self.value(item_kind) for _ in range(count)]
         if kind not in _SCALARS:
             raise GGUFFormatError(f"unknown metadata value type {kind} at byte {self.offset}")

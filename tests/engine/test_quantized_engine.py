@@ -22,8 +22,18 @@ from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.errors import SelfCheckError
 from deterministic_inference.model.loader import LoadedModel, load_model
 from deterministic_inference.ops.quant import TEST_BATCH_SCALE, QuantLinear
-from tests.engine.test_engine_invariance import CASES, GREEDY, SEEDED, Case, bits, random_prompts, run_case
+from tests.engine.test_engine_invariance import (
+    CASES,
+    GREEDY,
+    SEEDED,
+    Case,
+    bits,
+    random_prompts,
+    result_of,
+    run_case,
+)
 from tests.engine.test_prefix_cache_engine import run_batches, shared_prefix_prompts
+from tests.tiny_models import TinyModel
 
 DTYPES = ("bfloat16", "float32")
 
@@ -141,3 +151,25 @@ def test_fingerprint_names_the_formats(mixed: LoadedModel) -> None:
     none = Engine(EngineConfig(selfcheck=False, quantization="none"), loaded=mixed)
     assert none.fingerprint["numerics"]["weight_formats_digest"] != numerics["weight_formats_digest"]
     assert none.system_fingerprint != engine.system_fingerprint
+
+
+def test_hf_model_quantized_to_q8_0_at_load_is_invariant(
+    tiny_llama_dir: TinyModel, restore_threads: None
+) -> None:
+    """--quantization q8_0 on an HF directory: float matrices become Q8_0 blocks at load and run in the
+    quantized GEMM, with the same batch invariance (two of the cases, greedy)."""
+    loaded = load_model(str(tiny_llama_dir.path))
+    quantized = Engine(EngineConfig(quantization="q8_0", selfcheck=False), loaded=loaded)
+    assert quantized.fingerprint["numerics"]["weight_formats"]["mlp.down_proj.weight"] == "q8_0"
+    target = target_prompt(loaded)
+
+    def result(case: Case) -> object:
+        config = EngineConfig(
+            quantization="q8_0", max_num_batched_tokens=case.budget, threads=case.threads,
+            enable_prefix_caching=False, selfcheck=False,
+        )  # fmt: skip
+        prompts = random_prompts(case.others, loaded.spec.vocab_size, seed=case.others) + [target]
+        return result_of(Engine(config, loaded=loaded).generate(prompts, GREEDY)[-1])
+
+    alone = result(Case(0, "last", 512, 1))
+    assert result(Case(8, "last", 16, 2)) == alone and result(Case(5, "last", 7, 1)) == alone

@@ -207,6 +207,10 @@ void unpack_chunk_avx512(int64_t format, const uint8_t *const *rows, int64_t row
                          qpanel *p);
 #endif
 
+#if defined(DETINF_Q_AVX2)
+void kernel_rows256(int64_t format, const xquant *xq, int64_t r0, int64_t count, int64_t u0, int64_t units,
+                    const qpanel *p, int halves, float *acc);
+#endif
 /* quant_kernels.c: rows [r0, r0 + count) over the chunk of 1 or 2 halves; acc [count][32] in and out */
 void kernel_rows(int64_t format, const xquant *xq, int64_t r0, int64_t count, int64_t u0, int64_t units,
                  const qpanel *p, int halves, float *acc);

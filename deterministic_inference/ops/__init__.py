@@ -16,4 +16,6 @@ GEMM run in compiled C (`native`, sources in `csrc/`);
 #     over the best tokens in (-value, id) order (was: softmax of the sorted row).
 # 7 = bf16 linears and the logits head of bf16 models in the compiled GEMM (ops/csrc/gemm.c: fixed-order
 #     fp32 sums, VDPBF16PS or the same operations portably; the head sums bf16 products, was fp32 GEMM).
-OPS_REVISION = 7
+# 8 = quantized-weight linears (ops/csrc/quant*.c, ops/quant.py): GGUF blocks read in place, activations
+#     quantized per row and block, integer dot products, one fixed fp32 scaling order per output.
+OPS_REVISION = 8

@@ -34,7 +34,7 @@ def _case(name: str, rows: int, out_features: int, seed: int) -> tuple[Quantized
         torch.randint(-4, 4, (rows, 1), generator=generator)
     )
     x[0, 5] = 40.0  # one block dominated by an outlier
-    x[-1, 64:96] = 0.0  # an all-zero block
+    x[-1, 64:96] = 0.0  # an all-zero block (the last row: the first too when there is one row)
     return weight, x
 
 

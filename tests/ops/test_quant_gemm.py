@@ -38,11 +38,12 @@ def _case(name: str, rows: int, out_features: int, seed: int) -> tuple[Quantized
     return weight, x
 
 
+@pytest.mark.parametrize("rows", [1, 4, 6], ids=lambda m: f"M={m}")  # 1..4: the fused few-row path
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_every_element_is_the_documented_sequence(
-    kernels: NativeKernels, portable: NativeKernels, name: str
+    kernels: NativeKernels, portable: NativeKernels, name: str, rows: int
 ) -> None:
-    weight, x = _case(name, 6, 45, seed=1)  # 45 columns: a full panel and a partial one
+    weight, x = _case(name, rows, 45, seed=1)  # 45 columns: a full panel and a partial one
     bias = torch.randn(45, generator=torch.Generator().manual_seed(2))
     expected = documented_output(x, weight, bias)
     for label, lib in (("native", kernels), ("x86-64", portable)):

@@ -15,6 +15,7 @@
    (when valid < 16) read as zero without touching memory, so nothing is read past a row's end. */
 INLINE void load_pieces(const uint8_t *const *rows, int64_t off, int64_t valid, __m512i *z) {
     const __mmask16 keep = valid >= 16 ? 0xFFFF : (__mmask16)((1u << valid) - 1u);
+#pragma GCC unroll 4
     for (int a = 0; a < 4; a++) {
         __m512i v = _mm512_castsi128_si512(_mm_maskz_loadu_epi8(keep, rows[a] + off));
         v = _mm512_inserti32x4(v, _mm_maskz_loadu_epi8(keep, rows[a + 4] + off), 1);
@@ -27,6 +28,7 @@ INLINE void load_pieces(const uint8_t *const *rows, int64_t off, int64_t valid, 
 INLINE void transpose16v(const uint8_t *const *rows, int64_t off, int64_t valid, __m512i *out) {
     __m512i z[4];
     if (valid >= 16) {
+#pragma GCC unroll 4
         for (int a = 0; a < 4; a++) { /* z[a]: 128-bit lane L = the 16 bytes of column a + 4L */
             __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rows[a] + off)));
             v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rows[a + 4] + off)), 1);
@@ -65,6 +67,7 @@ INLINE void add_qh32(__m512i qh, __m512i *g) {
     const __m512i own_word = _mm512_set_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C, 0x08080808,
                                               0x04040404, 0, 0x0C0C0C0C, 0x08080808, 0x04040404, 0,
                                               0x0C0C0C0C, 0x08080808, 0x04040404, 0);
+#pragma GCC unroll 8
     for (int i = 0; i < 8; i++) { /* values 4i..4i+3: bits 4 (i % 2).. of byte i / 2 of the word */
         const __m512i pick = _mm512_add_epi32(own_word, _mm512_set1_epi32((i / 2) * 0x01010101));
         const __m512i spread = _mm512_shuffle_epi8(qh, pick);
@@ -75,12 +78,14 @@ INLINE void add_qh32(__m512i qh, __m512i *g) {
 /* Ask for the line `ahead` bytes past `off` of every column's row: the next panel's data at the place
    this panel is read (16 short streams in parallel are more than the hardware prefetchers follow). */
 INLINE void prefetch_rows(const uint8_t *const *rows, int64_t off, int64_t ahead) {
+#pragma GCC unroll 16
     for (int c = 0; c < QCOLS; c++) _mm_prefetch((const char *)(rows[c] + off + ahead), _MM_HINT_T0);
 }
 
 /* 16 fp16 numbers at rows[c] + off, as fp32 (exact) */
 INLINE __m512 halves_at(const uint8_t *const *rows, int64_t off) {
     uint16_t h[QCOLS];
+#pragma GCC unroll 16
     for (int c = 0; c < QCOLS; c++) memcpy(&h[c], rows[c] + off, sizeof h[c]);
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
 }
@@ -125,9 +130,11 @@ INLINE void pair_unit(int64_t format, const __m512i *d, int i, __m512i *g, __m51
     *scale = half16(d, o);
     if (format_has_min(format)) *min = half16(d, o + 2);
     if (format == Q8_0) {
+#pragma GCC unroll 8
         for (int j = 0; j < 8; j++) g[j] = _mm512_xor_si512(field32(d, o + qs + 4 * j), _mm512_set1_epi8((char)0x80));
         return;
     }
+#pragma GCC unroll 4
     for (int j = 0; j < 4; j++) {
         const __m512i raw = field32(d, o + qs + 4 * j);
         g[j] = low_nibbles(raw);
@@ -145,6 +152,7 @@ INLINE void q45k_scales(const uint8_t *const *rows, int64_t base, int64_t sb, qp
     _mm512_storeu_ps(p->d + sb * QCOLS, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(t[0])));
     _mm512_storeu_ps(p->m + sb * QCOLS, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(t[0], 16))));
     int32_t *sc = p->sc + sb * 16 * QCOLS, *mn = p->mn + sb * 8 * QCOLS;
+#pragma GCC unroll 4
     for (int i = 0; i < 4; i++) {
         const unsigned at = 8u * (unsigned)i;
         const __m512i hi_sc = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(t[1], at + 6), two), 4);
@@ -162,6 +170,7 @@ INLINE void q45k_scales(const uint8_t *const *rows, int64_t base, int64_t sb, qp
 INLINE void q6k_scales(const uint8_t *const *rows, int64_t base, int64_t sb, qpanel *p) {
     __m512i t[4];
     transpose16(rows, base + 192, t);
+#pragma GCC unroll 16
     for (int j = 0; j < 16; j++) {
         const __m512i scale = _mm512_srai_epi32(_mm512_slli_epi32(t[j / 4], 24u - 8u * (unsigned)(j % 4)), 24);
         _mm512_storeu_si512(p->sc + (sb * 16 + j) * QCOLS, scale);
@@ -175,6 +184,7 @@ INLINE void q45k_high_bits(int64_t format, const uint8_t *const *rows, int64_t b
         transpose32(rows, base + 16, qh);
         return;
     }
+#pragma GCC unroll 8
     for (int i = 0; i < 8; i++) qh[i] = _mm512_setzero_si512();
 }
 
@@ -186,6 +196,7 @@ INLINE void q45k_nibbles(int64_t format, const uint8_t *const *rows, int64_t bas
 
 /* Q4_K / Q5_K sub-block 2t + high of those bytes, with Q5_K's fifth bits */
 INLINE void q45k_unit(int64_t format, const __m512i *raw, const __m512i *qh, int t, int high, __m512i *g) {
+#pragma GCC unroll 8
     for (int i = 0; i < 8; i++) {
         g[i] = high ? high_nibbles(raw[i]) : low_nibbles(raw[i]);
         if (format == Q5_K) g[i] = add_bit4(g[i], qh[i], _mm512_set1_epi8((char)(1 << (2 * t + high))));
@@ -204,6 +215,7 @@ INLINE void q6k_low_bits(const uint8_t *const *rows, int64_t base, int h, int ru
 /* Q6_K unit 4h + t: nibble t / 2 of ql run t % 2 with bits 2t, 2t + 1 of qh above it (shifting 16-bit
    lanes moves bits across bytes; every byte then keeps only its own bits 0..3 from ql, 4..5 from qh) */
 INLINE void q6k_unit(const __m512i *ql, const __m512i *qh, int t, __m512i *g) {
+#pragma GCC unroll 8
     for (int i = 0; i < 8; i++) {
         const __m512i low = t / 2 ? _mm512_srli_epi16(ql[i], 4) : ql[i];
         const __m512i top = t < 3 ? _mm512_slli_epi16(qh[i], (unsigned)(4 - 2 * t)) : _mm512_srli_epi16(qh[i], 2);

@@ -1,7 +1,7 @@
 """Op-level costs of the batch-invariant path at SmolLM2-135M shapes (random weights of the real shapes).
 
 Run by hand from the repository root (not a test):
-    .venv/bin/python -m bench.bench_ops [--section linear attention activation step quant engine]
+    .venv/bin/python -m bench.bench_ops [--section linear attention activation step quant quant-step engine]
         [--threads 1]
 
 Every table compares variants timed side by side in one run (interleaved rounds, best round kept), so
@@ -301,6 +301,44 @@ def _quant_variants(
     return calls, weight_bytes
 
 
+# the benchmark model maker's default shape: Llama-3.2-1B with the default model's tokenizer (vocab 49152)
+LLAMA_1B = {"hidden": 2048, "ffn": 8192, "kv": 512, "layers": 16, "vocab": 49152}
+
+
+def bench_quant_step(rounds: int, formats: tuple[str, ...]) -> None:
+    """The linears of one decode step (M = 1) of a Llama-3.2-1B-shaped model, all in one format: per layer
+    qkv (3 parts), o, gate_up (2 parts), down, then the tied head (fp32 out). ms per step = the weights'
+    share of a decode step; its inverse bounds tokens/s from above."""
+    kernels = native_kernels()
+    generator = torch.Generator().manual_seed(0)
+    print("\n### decode-step linears, Llama-3.2-1B shapes (16 layers + head), M = 1: ms per step")
+    print("| format | weights MB | ms per step | GB/s | steps/s |\n|---|---|---|---|---|")
+    for name in formats:
+        linears = _step_linears(kernels, name, generator)
+        widths = {linear.in_features for linear in linears}
+        inputs = {k: torch.randn(1, k, generator=generator).bfloat16() for k in widths}
+        calls = [functools.partial(linear, inputs[linear.in_features]) for linear in linears]
+        ms = best_times({"step": functools.partial(_run_all, calls)}, rounds)["step"]
+        mb = sum(part.data.numel() for linear in linears for part in linear.parts) / 1e6
+        print(f"| {name} | {mb:.0f} | {ms:.1f} | {mb / ms:.1f} | {1e3 / ms:.1f} |", flush=True)
+
+
+def _step_linears(kernels: NativeKernels, name: str, generator: torch.Generator) -> list[QuantLinear]:
+    h, ffn, kv, vocab = LLAMA_1B["hidden"], LLAMA_1B["ffn"], LLAMA_1B["kv"], LLAMA_1B["vocab"]
+    shapes = [[(h, h), (kv, h), (kv, h)], [(h, h)], [(ffn, h), (ffn, h)], [(h, ffn)]] * LLAMA_1B["layers"]
+    linears = []
+    for parts in [*shapes, [(vocab, h)]]:
+        weights = [random_weight(name, n, k, generator) for n, k in parts]
+        out_dtype = torch.float32 if parts[0][0] == vocab else torch.bfloat16  # the head: fp32 logits
+        linears.append(QuantLinear(kernels, weights, bias=None, out_dtype=out_dtype))
+    return linears
+
+
+def _run_all(calls: list[Callable[[], object]]) -> None:
+    for call in calls:
+        call()
+
+
 def _cycling(fns: list[Callable[[torch.Tensor], torch.Tensor]]) -> Callable[[torch.Tensor], torch.Tensor]:
     """A function calling the next of `fns` each time (different weights: no cache reuse between calls)."""
     position = [0]
@@ -336,6 +374,8 @@ def main() -> None:
         bench_step(max(2, args.rounds // 2), steps)
     if "quant" in args.section:
         bench_quant(args.rounds)
+    if "quant-step" in args.section:  # not in the default sections: ~1 GB of weights per format
+        bench_quant_step(args.rounds, ("Q4_0", "Q8_0", "Q4_K"))
     if "engine" in args.section:  # not in the default sections: several minutes
         bench_engine_numerics(args.concurrency, 128, 128, not args.no_hf)
 

@@ -53,6 +53,21 @@ def test_every_element_is_the_documented_sequence(
         assert torch.equal(bits(bf16), bits(documented_output(x.bfloat16(), weight, bias).bfloat16())), label
 
 
+@pytest.mark.parametrize("name", [name for name, fmt in FORMATS.items() if fmt.block_values == 32])
+def test_odd_block_counts_and_narrow_parts(
+    kernels: NativeKernels, portable: NativeKernels, name: str
+) -> None:
+    """3 blocks per row (the unpacking goes by pairs of blocks) and 5 columns (one partial half panel)."""
+    generator = torch.Generator().manual_seed(9)
+    weight = random_weight(name, 5, 96, generator)
+    for rows in (1, 5):
+        x = torch.randn(rows, 96, generator=generator)
+        expected = bits(documented_output(x, weight))
+        for lib in (kernels, portable):
+            out = QuantLinear(lib, [weight], bias=None, out_dtype=torch.float32)(x)
+            assert torch.equal(bits(out), expected)
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q6_K"])
 def test_negative_control_other_orders_and_scales_are_caught(kernels: NativeKernels, name: str) -> None:
     """The element-wise comparison above can fail: the blocks added in descending order, or an

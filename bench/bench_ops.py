@@ -1,7 +1,8 @@
 """Op-level costs of the batch-invariant path at SmolLM2-135M shapes (random weights of the real shapes).
 
 Run by hand from the repository root (not a test):
-    .venv/bin/python -m bench.bench_ops [--section linear attention activation step engine] [--threads 1]
+    .venv/bin/python -m bench.bench_ops [--section linear attention activation step quant quant-step engine]
+        [--threads 1]
 
 Every table compares variants timed side by side in one run (interleaved rounds, best round kept), so
 read the ratios; absolute times move with the machine's load.
@@ -26,6 +27,8 @@ from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache, paged_attention
 from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.native import NativeKernels, native_kernels
+from deterministic_inference.ops.quant import FORMATS, QuantLinear
+from deterministic_inference.ops.quant_probe import random_weight
 
 SMOLLM2 = ModelSpec(
     architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -247,9 +250,112 @@ def bench_engine_numerics(concurrency: int, prompt_len: int, output_len: int, wi
         print(f"| HF transformers bf16 generate | {run['tokens'] / run['seconds']:.1f} |", flush=True)
 
 
+QUANT_SHAPES = {  # Llama-3.2-1B: attention projections, FFN gate/up, FFN down
+    "2048x2048": (2048, 2048),
+    "8192x2048": (8192, 2048),
+    "2048x8192": (2048, 8192),
+}
+STREAM_BYTES = 64 << 20  # weight copies per variant: more than the L3 cache, so M = 1 reads from memory
+
+
+def bench_quant(rounds: int) -> None:
+    """Quantized-weight GEMM per format vs the bf16 native GEMM at Llama-3.2-1B shapes, M = 1, 32, 512.
+    Each call takes the next of several weight copies, so M = 1 streams its weight from memory as a real
+    decode step does. Cells: ms per call (ratio to bf16; GB/s of weight read at M = 1, else GFLOP/s)."""
+    kernels = native_kernels()
+    generator = torch.Generator().manual_seed(0)
+    print("\n### quantized GEMM: ms per call (ratio to bf16 native GEMM; M=1: GB/s of weights, else GFLOP/s)")
+    print("| shape M | bf16 | " + " | ".join(FORMATS) + " |\n|---|---|" + "---|" * len(FORMATS))
+    for label, (n, k) in QUANT_SHAPES.items():
+        calls, weight_bytes = _quant_variants(kernels, n, k, generator)
+        for rows in (1, 32, 512):
+            x = torch.randn(rows, k, generator=generator).bfloat16()
+            times = best_times({name: functools.partial(call, x) for name, call in calls.items()}, rounds, 4)
+            cells = []
+            for name, ms in times.items():
+                rate = (weight_bytes[name] if rows == 1 else 2 * rows * n * k) / ms / 1e6  # G per s
+                cells.append(f"{ms:.3f} ({ms / times['bf16']:.2f}x; {rate:.0f})")
+            print(f"| {label} M={rows} | " + " | ".join(cells) + " |", flush=True)
+
+
+def _quant_variants(
+    kernels: NativeKernels, n: int, k: int, generator: torch.Generator
+) -> tuple[dict[str, Callable[[torch.Tensor], torch.Tensor]], dict[str, int]]:
+    """name -> a call cycling over weight copies of that format ("bf16": the native GEMM), and its bytes."""
+    calls: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    weight_bytes = {"bf16": n * k * 2}
+    packed = [
+        kernels.pack_bf16((torch.randn(n, k, generator=generator) / k**0.5).bfloat16())
+        for _ in range(-(-STREAM_BYTES // weight_bytes["bf16"]))
+    ]
+    calls["bf16"] = _cycling(
+        [functools.partial(kernels.gemm_bf16, packed=p, out_features=n, bias=None, out_dtype=torch.bfloat16)
+         for p in packed]
+    )  # fmt: skip
+    for name, fmt in FORMATS.items():
+        weight_bytes[name] = n * k // fmt.block_values * fmt.block_bytes
+        copies = -(-STREAM_BYTES // weight_bytes[name])
+        weights = [random_weight(name, n, k, generator) for _ in range(copies)]
+        linears = [QuantLinear(kernels, [w], bias=None, out_dtype=torch.bfloat16) for w in weights]
+        calls[name] = _cycling(linears)
+    return calls, weight_bytes
+
+
+# the benchmark model maker's default shape: Llama-3.2-1B with the default model's tokenizer (vocab 49152)
+LLAMA_1B = {"hidden": 2048, "ffn": 8192, "kv": 512, "layers": 16, "vocab": 49152}
+
+
+def bench_quant_step(rounds: int, formats: tuple[str, ...]) -> None:
+    """The linears of one decode step (M = 1) of a Llama-3.2-1B-shaped model, all in one format: per layer
+    qkv (3 parts), o, gate_up (2 parts), down, then the tied head (fp32 out). ms per step = the weights'
+    share of a decode step; its inverse bounds tokens/s from above."""
+    kernels = native_kernels()
+    generator = torch.Generator().manual_seed(0)
+    print("\n### decode-step linears, Llama-3.2-1B shapes (16 layers + head), M = 1: ms per step")
+    print("| format | weights MB | ms per step | GB/s | steps/s |\n|---|---|---|---|---|")
+    for name in formats:
+        linears = _step_linears(kernels, name, generator)
+        widths = {linear.in_features for linear in linears}
+        inputs = {k: torch.randn(1, k, generator=generator).bfloat16() for k in widths}
+        calls = [functools.partial(linear, inputs[linear.in_features]) for linear in linears]
+        ms = best_times({"step": functools.partial(_run_all, calls)}, rounds)["step"]
+        mb = sum(part.data.numel() for linear in linears for part in linear.parts) / 1e6
+        print(f"| {name} | {mb:.0f} | {ms:.1f} | {mb / ms:.1f} | {1e3 / ms:.1f} |", flush=True)
+
+
+def _step_linears(kernels: NativeKernels, name: str, generator: torch.Generator) -> list[QuantLinear]:
+    h, ffn, kv, vocab = LLAMA_1B["hidden"], LLAMA_1B["ffn"], LLAMA_1B["kv"], LLAMA_1B["vocab"]
+    shapes = [[(h, h), (kv, h), (kv, h)], [(h, h)], [(ffn, h), (ffn, h)], [(h, ffn)]] * LLAMA_1B["layers"]
+    linears = []
+    for parts in [*shapes, [(vocab, h)]]:
+        weights = [random_weight(name, n, k, generator) for n, k in parts]
+        out_dtype = torch.float32 if parts[0][0] == vocab else torch.bfloat16  # the head: fp32 logits
+        linears.append(QuantLinear(kernels, weights, bias=None, out_dtype=out_dtype))
+    return linears
+
+
+def _run_all(calls: list[Callable[[], object]]) -> None:
+    for call in calls:
+        call()
+
+
+def _cycling(fns: list[Callable[[torch.Tensor], torch.Tensor]]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function calling the next of `fns` each time (different weights: no cache reuse between calls)."""
+    position = [0]
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        fn = fns[position[0] % len(fns)]
+        position[0] += 1
+        return fn(x)
+
+    return call
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--section", nargs="+", default=["linear", "attention", "activation", "step"])
+    parser.add_argument(
+        "--section", nargs="+", default=["linear", "attention", "activation", "step", "quant"]
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=32, help="engine section: streams")
@@ -266,6 +372,10 @@ def main() -> None:
     if "step" in args.section:
         steps = [(1, 1, 256), (8, 1, 256), (32, 1, 128), (32, 1, 512), (4, 128, 128), (1, 512, 512)]
         bench_step(max(2, args.rounds // 2), steps)
+    if "quant" in args.section:
+        bench_quant(args.rounds)
+    if "quant-step" in args.section:  # not in the default sections: ~1 GB of weights per format
+        bench_quant_step(args.rounds, ("Q4_0", "Q8_0", "Q4_K"))
     if "engine" in args.section:  # not in the default sections: several minutes
         bench_engine_numerics(args.concurrency, 128, 128, not args.no_hf)
 

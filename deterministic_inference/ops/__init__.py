@@ -16,7 +16,8 @@ in `csrc/`); `batch_invariant=False` selects plain torch ops (benchmarks, negati
 #     over the best tokens in (-value, id) order (was: softmax of the sorted row).
 # 7 = bf16 linears and the logits head of bf16 models in the compiled GEMM (ops/csrc/gemm.c: fixed-order
 #     fp32 sums, VDPBF16PS or the same operations portably; the head sums bf16 products, was fp32 GEMM).
-# 8 = GGUF weights computed as stored (--quantization auto): block-quantized linears in the quantized GEMM
-#     (ops/quant.py: activations quantized per row and block), the embedding dequantised row by row, the
-#     tied logits head over the quantized table; the per-tensor formats enter the numerics too.
+# 8 = quantized-weight linears (ops/csrc/quant*.c, ops/quant.py): GGUF blocks read in place, activations
+#     quantized per row and block, integer dot products, one fixed fp32 scaling order per output; GGUF
+#     weights computed as stored (--quantization auto): the embedding dequantised row by row, the tied
+#     logits head over the quantized table; the per-tensor formats enter the numerics too.
 OPS_REVISION = 8

@@ -58,14 +58,20 @@ def probe_quant_linear(
     dtype: torch.dtype,
     generator: torch.Generator,
     probe_rows: int = 3,
+    test_flags: int = 0,
 ) -> ProbeResult:
     """Rows alone (one thread) vs inside batches of PROBE_SIZES (`threads` threads), bitwise, for one
-    format at one [out_features, in_features] shape; activations in `dtype`, output in `dtype`."""
+    format at one [out_features, in_features] shape; activations in `dtype`, output fp32 (every bit of
+    the sums shows). `test_flags`: the kernel's test hooks (negative controls of the tests only)."""
     weight = random_weight(fmt, out_features, in_features, generator)
-    linear = QuantLinear(kernels, [weight], bias=None, out_dtype=dtype)
+    linear = QuantLinear(kernels, [weight], bias=None, out_dtype=torch.float32)
     rows = torch.randn(probe_rows, in_features, generator=generator).to(dtype)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return _bits(linear.forward_with_flags(x, test_flags))
+
     with torch_threads(1):
-        alone = [_bits(linear(rows[i : i + 1]))[0] for i in range(probe_rows)]
+        alone = [run(rows[i : i + 1])[0] for i in range(probe_rows)]
     mismatches: list[str] = []
     with torch_threads(threads):
         for size in PROBE_SIZES:
@@ -75,7 +81,7 @@ def probe_quant_linear(
             }
             for position, row in placed.items():
                 batch[position] = rows[row]
-            out = _bits(linear(batch))
+            out = run(batch)
             mismatches.extend(
                 f"M={size} row {position}"
                 for position, row in placed.items()

@@ -34,15 +34,16 @@ def _case(name: str, rows: int, out_features: int, seed: int) -> tuple[Quantized
         torch.randint(-4, 4, (rows, 1), generator=generator)
     )
     x[0, 5] = 40.0  # one block dominated by an outlier
-    x[-1, 64:96] = 0.0  # an all-zero block
+    x[-1, 64:96] = 0.0  # an all-zero block (the last row: the first too when there is one row)
     return weight, x
 
 
+@pytest.mark.parametrize("rows", [1, 4, 6], ids=lambda m: f"M={m}")  # 1..4: the fused few-row path
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_every_element_is_the_documented_sequence(
-    kernels: NativeKernels, portable: NativeKernels, name: str
+    kernels: NativeKernels, portable: NativeKernels, name: str, rows: int
 ) -> None:
-    weight, x = _case(name, 6, 45, seed=1)  # 45 columns: a full panel and a partial one
+    weight, x = _case(name, rows, 45, seed=1)  # 45 columns: a full panel and a partial one
     bias = torch.randn(45, generator=torch.Generator().manual_seed(2))
     expected = documented_output(x, weight, bias)
     for label, lib in (("native", kernels), ("x86-64", portable)):
@@ -50,6 +51,21 @@ def test_every_element_is_the_documented_sequence(
         assert torch.equal(bits(out), bits(expected)), label
         bf16 = QuantLinear(lib, [weight], bias=bias, out_dtype=BF16)(x.bfloat16())
         assert torch.equal(bits(bf16), bits(documented_output(x.bfloat16(), weight, bias).bfloat16())), label
+
+
+@pytest.mark.parametrize("name", [name for name, fmt in FORMATS.items() if fmt.block_values == 32])
+def test_odd_block_counts_and_narrow_parts(
+    kernels: NativeKernels, portable: NativeKernels, name: str
+) -> None:
+    """3 blocks per row (the unpacking goes by pairs of blocks) and 5 columns (one partial half panel)."""
+    generator = torch.Generator().manual_seed(9)
+    weight = random_weight(name, 5, 96, generator)
+    for rows in (1, 5):
+        x = torch.randn(rows, 96, generator=generator)
+        expected = bits(documented_output(x, weight))
+        for lib in (kernels, portable):
+            out = QuantLinear(lib, [weight], bias=None, out_dtype=torch.float32)(x)
+            assert torch.equal(bits(out), expected)
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q6_K"])

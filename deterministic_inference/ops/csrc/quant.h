@@ -64,6 +64,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 #define SUPER 256      /* values per K super-block */
 #define UNIT_BYTES 512 /* unpacked unit of a panel: [8 groups][16 columns][4 values] u8 */
 #define CHUNK_UNITS 16 /* units unpacked at a time (8 KB of scratch) */
+#define FUSED_ROWS 4   /* up to this many rows, the AVX-512 build multiplies blocks as it unpacks them */
 
 /* test hooks (negative controls of the tests; the package never sets them) */
 #define QTEST_BATCH_SCALE 1 /* activation block scales from the largest |x| over ALL rows of the call */
@@ -205,8 +206,15 @@ void unpack_chunk(int64_t format, const uint8_t *const *rows, int64_t row_bytes,
 /* quant_unpack512.c: the same bytes as the portable loop */
 void unpack_chunk_avx512(int64_t format, const uint8_t *const *rows, int64_t row_bytes, int64_t u0, int64_t units,
                          qpanel *p);
+/* quant_gemv512.c: rows [0, m <= FUSED_ROWS) x one 16-column half, every block; acc [m][ACC_COLS] */
+void fused_half_avx512(int64_t format, const uint8_t *const *rows, int64_t row_bytes, const xquant *xq, int64_t m,
+                       float *acc);
 #endif
 
+#if defined(DETINF_Q_AVX2)
+void kernel_rows256(int64_t format, const xquant *xq, int64_t r0, int64_t count, int64_t u0, int64_t units,
+                    const qpanel *p, int halves, float *acc);
+#endif
 /* quant_kernels.c: rows [r0, r0 + count) over the chunk of 1 or 2 halves; acc [count][32] in and out */
 void kernel_rows(int64_t format, const xquant *xq, int64_t r0, int64_t count, int64_t u0, int64_t units,
                  const qpanel *p, int halves, float *acc);

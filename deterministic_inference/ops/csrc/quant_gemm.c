@@ -82,6 +82,14 @@ static void compute_panel(const gemm_call *call, const detinf_qpart *part, const
     const xquant *xq = format_block_values(part->format) == SUPER ? call->x256 : call->x32;
     const int64_t units = xq->k / UNIT, chunks = (units + CHUNK_UNITS - 1) / CHUNK_UNITS;
     const int reverse = (call->flags & QTEST_REVERSE) || ((call->flags & QTEST_REVERSE_ODD) && omp_get_thread_num() % 2);
+#if defined(DETINF_Q_AVX512)
+    if (call->m <= FUSED_ROWS && !reverse) { /* few rows: blocks multiplied as they are unpacked */
+        for (int h = 0; h < halves; h++)
+            fused_half_avx512(part->format, rows + h * QCOLS, part->row_bytes, xq, call->m, ws->acc + h * QCOLS);
+        store_panel(call, ws->acc, ref->out_col, cols);
+        return;
+    }
+#endif
     memset(ws->acc, 0, sizeof(float) * (size_t)(call->m * ACC_COLS)); /* acc = +0 */
     for (int64_t i = 0; i < chunks; i++) {
         const int64_t chunk = reverse ? chunks - 1 - i : i;

@@ -3,12 +3,14 @@
    integer dot products are exact whatever order they are added in; each path then performs the same
    fp32 operations per output (vector lanes are output columns, never partial sums of one output).
    Paths: AVX-512 VNNI (VPDPBUSD: unsigned weight bytes x signed activation bytes, 4 products per int32
-   lane), AVX2 (quant_kernels256.c), portable C below. */
+   lane), AVX2 (quant_kernels256.c, whole row counts at once), portable C below. */
 
 #include "quant.h"
 
 #if defined(DETINF_Q_AVX512)
 #define ROW_TILE 4 /* rows per register tile, times 2 halves of 16 columns (accumulators: 3 x 8 zmm at most) */
+#elif defined(DETINF_Q_AVX2)
+#define ROW_TILE 64 /* kernel_rows256 tiles the rows itself */
 #else
 #define ROW_TILE 1
 #endif
@@ -218,6 +220,8 @@ void kernel_rows(int64_t format, const xquant *xq, int64_t r0, int64_t count, in
         const int64_t R = count - r < ROW_TILE ? count - r : ROW_TILE;
 #if defined(DETINF_Q_AVX512)
         tile_any(format, xq, r0 + r, (int)R, halves, u0, units, p, acc + r * ACC_COLS);
+#elif defined(DETINF_Q_AVX2)
+        kernel_rows256(format, xq, r0 + r, R, u0, units, p, halves, acc + r * ACC_COLS);
 #else
         for (int h = 0; h < halves; h++) {
             float *row_acc = acc + r * ACC_COLS + h * QCOLS;

@@ -44,17 +44,48 @@ static void unpack_scales(int64_t format, const uint8_t *row, int c, int64_t u0,
     }
 }
 
+/* four 1-bit flags (bits 0..3 of `bits`) as 0/1 in the four bytes of a word */
+static inline uint32_t spread4(uint32_t bits) { return ((bits & 15u) * 0x00204081u) & 0x01010101u; }
+
+/* Values 4g..4g+3 of unit u of a stored row (unit_value for l = 4g..4g+3), byte b = value 4g + b. */
+static inline uint32_t unit_word(int64_t format, const uint8_t *row, int64_t u, int g) {
+    const int64_t bytes = format_block_bytes(format);
+    const uint32_t low4 = 0x0F0F0F0Fu;
+    if (format == Q8_0) return load_u32(row + u * bytes + 2 + 4 * g) ^ 0x80808080u;
+    if (format_block_values(format) == UNIT) {
+        const int64_t qs = format == Q4_0 ? 2 : (format == Q4_1 ? 4 : (format == Q5_0 ? 6 : 8));
+        const uint8_t *p = row + u * bytes + qs;
+        const uint32_t word = load_u32(p + 4 * (g % 4)), nibbles = (g < 4 ? word : word >> 4) & low4;
+        if (format != Q5_0 && format != Q5_1) return nibbles;
+        return nibbles | spread4(load_u32(p - 4) >> (4 * g)) << 4;
+    }
+    const int64_t j = u % 8;
+    const uint8_t *p = row + (u / 8) * bytes;
+    if (format == Q6_K) {
+        const int64_t h = j / 4, t = j % 4;
+        const uint32_t low = (load_u32(p + 64 * h + 32 * (t % 2) + 4 * g) >> (4 * (t / 2))) & low4;
+        return low | ((load_u32(p + 128 + 32 * h + 4 * g) >> (2 * t)) & 0x03030303u) << 4;
+    }
+    const uint32_t low = (load_u32(p + (format == Q4_K ? 16 : 48) + 32 * (j / 2) + 4 * g) >> (4 * (j % 2))) & low4;
+    return format == Q4_K ? low : low | ((load_u32(p + 16 + 4 * g) >> j) & 0x01010101u) << 4;
+}
+
+static inline void store_u32(uint8_t *p, uint32_t word) {
+    for (int b = 0; b < 4; b++) p[b] = (uint8_t)(word >> (8 * b));
+}
+
 /* rows[c] = the stored row of output column c (16 of them); units [u0, u0 + units), u0 and units whole
    super-blocks for the K formats; row_bytes: every row's length (nothing past it is read). */
 void unpack_chunk(int64_t format, const uint8_t *const *rows, int64_t row_bytes, int64_t u0, int64_t units, qpanel *p) {
 #if defined(DETINF_Q_AVX512)
     unpack_chunk_avx512(format, rows, row_bytes, u0, units, p);
 #else
-    (void)row_bytes;
+    const int64_t bytes_per_unit = format_block_bytes(format) / (format_block_values(format) / UNIT);
     for (int c = 0; c < QCOLS; c++) {
         for (int64_t uu = 0; uu < units; uu++) {
-            uint8_t *unit = p->w + uu * UNIT_BYTES + c * 4;
-            for (int l = 0; l < UNIT; l++) unit[(l / 4) * 64 + l % 4] = unit_value(format, rows[c], u0 + uu, l);
+            /* the next panel's bytes at this place: 16 short streams are more than prefetchers follow */
+            __builtin_prefetch(rows[c] + (u0 + uu) * bytes_per_unit + ACC_COLS * row_bytes);
+            for (int g = 0; g < 8; g++) store_u32(p->w + uu * UNIT_BYTES + g * 64 + c * 4, unit_word(format, rows[c], u0 + uu, g));
         }
         unpack_scales(format, rows[c], c, u0, units, p);
     }

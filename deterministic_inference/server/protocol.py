@@ -3,7 +3,8 @@
 Types are strict (a string where a number is expected is a 400, never coerced); unknown fields are
 ignored like the OpenAI API does, except the features this server does not implement (tools,
 structured output, images, audio, logit_bias...), which are a 400 naming the field. Value ranges are
-checked by `SamplingParams`, which names the offending parameter too.
+checked by `SamplingParams`, which names the offending parameter too. These models are the endpoints'
+FastAPI body parameters, so `/openapi.json` documents them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from deterministic_inference.server.errors import APIError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
 DEFAULT_GENERATE_MAX_TOKENS = 128  # SGLang's default max_new_tokens
+MAX_STOP_STRINGS = 16  # each stop string is searched after every token
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class _Body(BaseModel):
@@ -61,7 +64,6 @@ class _SamplingFields(_Body):
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
         """Validated SamplingParams (InvalidRequestError names the field); OpenAI defaults for the rest."""
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=_default(self.n, 1),
             max_tokens=max_tokens,
@@ -73,8 +75,8 @@ class _SamplingFields(_Body):
             presence_penalty=_default(self.presence_penalty, 0.0),
             frequency_penalty=_default(self.frequency_penalty, 0.0),
             repetition_penalty=_default(self.repetition_penalty, 1.0),
-            stop=tuple(stop),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
+            stop=stop_strings(self.stop, "stop"),
+            stop_token_ids=stop_token_ids(self.stop_token_ids, "stop_token_ids"),
             ignore_eos=bool(self.ignore_eos),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             logprobs=logprobs,
@@ -245,7 +247,6 @@ class GenerateRequest(_Body):
     def params(self) -> SamplingParams:
         """SamplingParams with SGLang's defaults (temperature 1, 128 new tokens)."""
         sp = self.sampling_params or GenerateSamplingParams()
-        stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
         return SamplingParams(
             n=_default(sp.n, 1),
             max_tokens=_default(sp.max_new_tokens, DEFAULT_GENERATE_MAX_TOKENS),
@@ -257,11 +258,33 @@ class GenerateRequest(_Body):
             presence_penalty=_default(sp.presence_penalty, 0.0),
             frequency_penalty=_default(sp.frequency_penalty, 0.0),
             repetition_penalty=_default(sp.repetition_penalty, 1.0),
-            stop=tuple(stop),
-            stop_token_ids=tuple(sp.stop_token_ids or ()),
+            stop=stop_strings(sp.stop, "sampling_params.stop"),
+            stop_token_ids=stop_token_ids(sp.stop_token_ids, "sampling_params.stop_token_ids"),
             ignore_eos=bool(sp.ignore_eos),
             logprobs=(self.top_logprobs_num or 0) if self.return_logprob else None,
         )
+
+
+def stop_strings(value: str | list[str] | None, param: str) -> tuple[str, ...]:
+    """The stop strings as a tuple; 400 when there are more than MAX_STOP_STRINGS."""
+    stops = (value,) if isinstance(value, str) else tuple(value or ())
+    if len(stops) > MAX_STOP_STRINGS:
+        raise APIError(
+            400, f"{param}: {len(stops)} stop strings; at most {MAX_STOP_STRINGS}", param=param,
+            code="invalid_value",
+        )
+    return stops
+
+
+def stop_token_ids(value: list[int] | None, param: str) -> tuple[int, ...]:
+    """The stop token ids as a tuple; 400 when there are more than MAX_STOP_TOKEN_IDS."""
+    ids = tuple(value or ())
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise APIError(
+            400, f"{param}: {len(ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}", param=param,
+            code="invalid_value",
+        )
+    return ids
 
 
 def unsupported(param: str, message: str | None = None) -> APIError:

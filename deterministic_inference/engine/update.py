@@ -106,11 +106,13 @@ class StepUpdate:
         parent = request.parent
         if parent.error is None:
             parent.error = message
+        ended = [request] + [s for s in parent.sequences if s is not request and not s.is_finished]
         self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ERROR)
-        for sibling in parent.sequences:
-            if not sibling.is_finished:
-                self.scheduler.finish(sibling.request_id, RequestStatus.FINISHED_ABORTED)
-        self._touched.setdefault(parent.request_id, parent)
+        for sibling in ended[1:]:
+            self.scheduler.finish(sibling.request_id, RequestStatus.FINISHED_ABORTED)
+        for sequence in ended:  # an empty last piece per choice ended here: "error", or "abort"
+            piece = CompletionDelta(sequence.choice_index, [], [], [], "", sequence.finish_reason)
+            self._add_piece(sequence, piece)
 
     def _add_piece(self, request: Request, piece: CompletionDelta) -> None:
         parent = request.parent

@@ -106,19 +106,26 @@ def validation_error(error: ValidationError | RequestValidationError) -> APIErro
     if not details:
         return APIError(400, "invalid request body")
     first = details[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = [part for part in first.get("loc", ()) if part != "body"]
     if not loc:  # the body as a whole
         if first.get("type") == "missing":
             return APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
         return APIError(400, "the request body must be a JSON object", code="invalid_json")
-    param = ".".join(_field_path(loc)) or None
+    param = field_path(loc) or None
     where = f"{param}: " if param else ""
     return APIError(400, f"{where}{first.get('msg', 'invalid value')}", param=param, code="invalid_type")
 
 
-def _field_path(loc: list[str]) -> list[str]:
-    """Drop pydantic's union-branch labels ("str", "list[int]", "function-after[...]") from a loc."""
-    return [part for part in loc if not any(ch in part for ch in "[]()") and part not in _TYPE_LABELS]
+def field_path(loc: list[Any]) -> str:
+    """A pydantic loc as the request's field path ("messages[0].content"), without pydantic's
+    union-branch labels ("str", "list[int]", "function-after[...]")."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not any(ch in part for ch in "[]()") and part not in _TYPE_LABELS:
+            path += f".{part}" if path else part
+    return path
 
 
 _TYPE_LABELS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "tagged-union"}

@@ -116,6 +116,10 @@ class ServingContext:
         others are aborted)."""
         info = self.info()
         checked = [info.limits.check(ids, params, prompt_param, max_tokens_param) for ids in prompts]
+        if params.n > self.engine.capacity:
+            raise InvalidRequestError(
+                f"n: {params.n} exceeds the server's capacity of {self.engine.capacity}", param="n"
+            )
         if len(checked) * params.n > self.engine.capacity:
             raise InvalidRequestError(
                 f"{prompt_param}: {len(checked)} prompts x n={params.n} sequences exceed the server's "

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +22,7 @@ import httpx
 import uvicorn
 
 from deterministic_inference.config import EngineConfig
+from deterministic_inference.engine.engine import Engine
 from deterministic_inference.server.app import ServerSettings, create_app
 from tests.tiny_models import TinyModel
 
@@ -68,9 +69,14 @@ def wait_healthy(
 
 
 @contextmanager
-def thread_server(config: EngineConfig, settings: ServerSettings | None = None) -> Iterator[RunningServer]:
-    """uvicorn + app in a background thread on a free loopback port."""
-    app = create_app(config, settings)
+def thread_server(
+    config: EngineConfig,
+    settings: ServerSettings | None = None,
+    engine_factory: Callable[[], Engine] | None = None,
+) -> Iterator[RunningServer]:
+    """uvicorn + app in a background thread on a free loopback port (`engine_factory`: e.g. an engine
+    with injected faults)."""
+    app = create_app(config, settings, engine_factory=engine_factory)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

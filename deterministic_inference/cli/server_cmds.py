@@ -120,7 +120,10 @@ def run_serve(args: argparse.Namespace) -> int:
         on_ready=on_ready,
         on_failure=on_failure,
     )
-    server = make_server(app, args.host, args.port, args.log_level, timeout)
+    engine = app.state.ctx.engine
+    server = make_server(
+        app, args.host, args.port, args.log_level, timeout, lambda: engine.begin_stop_threadsafe(timeout)
+    )
     holder.append(server)
     _exit_zero_on_signals()
     server.run()

@@ -249,16 +249,28 @@ class AsyncEngine:
             raise value
         return value  # type: ignore[no-any-return]
 
-    async def stop(self, timeout: float | None = None) -> bool:
-        """Stop accepting requests, let in-flight ones finish for up to `timeout` seconds (None: until
-        done), then abort the rest (freeing their KV blocks) and join the engine thread. Returns True
-        when the engine stopped cleanly, False when it had failed or a step hung past the bound."""
+    def begin_stop(self, timeout: float | None = None) -> None:
+        """Stop admitting requests now; in-flight ones may finish for `timeout` seconds (None: until
+        done), then the engine thread aborts the rest, freeing their KV blocks (logged)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             if self.state in (EngineState.LOADING, EngineState.READY):
                 self.state = EngineState.STOPPING
                 self._commands.put(StopCommand(deadline))
-            thread = self._thread
+
+    def begin_stop_threadsafe(self, timeout: float | None) -> None:
+        """`begin_stop` from any thread or a signal handler (runs it on the event loop)."""
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self.begin_stop, timeout)
+            except RuntimeError:  # loop closed
+                pass
+
+    async def stop(self, timeout: float | None = None) -> bool:
+        """`begin_stop(timeout)` (unless a stop already began), then join the engine thread. Returns
+        True when the engine stopped cleanly, False when it had failed or a step hung past the bound."""
+        self.begin_stop(timeout)
+        thread = self._thread
         if thread is not None:
             await asyncio.to_thread(thread.join, None if timeout is None else timeout + STOP_JOIN_GRACE)
             if thread.is_alive() and self._serving:

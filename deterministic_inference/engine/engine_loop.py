@@ -77,7 +77,9 @@ class EngineLoop:
         self.request_error = request_error  # what a request whose add failed unexpectedly receives
         self.sinks: dict[str, Sink] = {}  # in-flight requests
         self.stop: StopCommand | None = None
+        self.in_flight_at_stop = 0  # shutdown accounting, logged when the loop ends
         self.finished_while_stopping = 0
+        self.aborted_while_stopping = 0
 
     def run(self) -> None:
         """Until a stop command has been served; raises whatever a step raises."""
@@ -95,8 +97,11 @@ class EngineLoop:
                 self._deliver(deltas)
             if self.stop is not None and not engine.has_unfinished:
                 logger.info(
-                    "engine stopped: %d requests finished during the drain; KV blocks in use: %d of %d",
+                    "engine stopped: of %d requests in flight at shutdown, %d finished and %d were "
+                    "aborted; KV blocks in use: %d of %d",
+                    self.in_flight_at_stop,
                     self.finished_while_stopping,
+                    self.aborted_while_stopping,
                     engine.kv.num_used_blocks,
                     engine.kv.num_blocks,
                 )
@@ -124,7 +129,8 @@ class EngineLoop:
             self._add(command)
         elif isinstance(command, AbortCommand):
             self.engine.abort(command.request_id)
-            self.sinks.pop(command.request_id, None)
+            if self.sinks.pop(command.request_id, None) is not None and self.stop is not None:
+                self.aborted_while_stopping += 1
         elif isinstance(command, CallCommand):
             try:
                 command.sink.put((True, command.fn(self.engine)))
@@ -132,7 +138,16 @@ class EngineLoop:
                 command.sink.put((False, error))
         elif self.stop is None:
             self.stop = command
-            logger.info("engine stopping: %d requests in flight", len(self.sinks))
+            self.in_flight_at_stop = len(self.sinks)
+            wait = "until they finish" if command.deadline is None else (
+                f"for up to {max(0.0, command.deadline - time.monotonic()):.1f} s"
+            )
+            logger.info(
+                "engine stopping: no new requests; %d in flight (holding %d KV blocks) may finish %s",
+                len(self.sinks),
+                self.engine.kv.num_used_blocks,
+                wait,
+            )
 
     def _add(self, command: AddCommand) -> None:
         try:
@@ -176,6 +191,7 @@ class EngineLoop:
             engine.abort(request_id)
             sink.put(self.shutdown_error())
         self.sinks.clear()
+        self.aborted_while_stopping += count
         logger.warning(
             "shutdown deadline passed: aborted %d in-flight requests, freeing %d KV blocks",
             count,

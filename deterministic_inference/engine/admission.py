@@ -13,6 +13,27 @@ from dataclasses import dataclass
 from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.errors import InvalidRequestError
 
+# Sampling divides fp32 logits by the temperature and scales them by the repetition penalty: values
+# outside these ranges overflow fp32 (inf, then NaN: 0 / 0, inf - inf) instead of meaning anything.
+MIN_TEMPERATURE = 1e-6  # besides 0 (greedy)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+
+def check_numeric_ranges(params: SamplingParams) -> None:
+    """Sampling values whose arithmetic stays finite in fp32 (see MIN_TEMPERATURE)."""
+    if 0 < params.temperature < MIN_TEMPERATURE:
+        raise InvalidRequestError(
+            f"temperature: {params.temperature} is too small to compute with; use 0 for greedy or at least "
+            f"{MIN_TEMPERATURE}",
+            param="temperature",
+        )
+    low, high = REPETITION_PENALTY_RANGE
+    if not low <= params.repetition_penalty <= high:
+        raise InvalidRequestError(
+            f"repetition_penalty: {params.repetition_penalty} must be in [{low}, {high}] (1 = off)",
+            param="repetition_penalty",
+        )
+
 
 def check_fits(
     num_prompt_tokens: int,
@@ -59,6 +80,7 @@ class AdmissionLimits:
         max_tokens_param: str = "max_tokens",
     ) -> list[int]:
         """The prompt's ids as a list, after checking them and the context they need."""
+        check_numeric_ranges(params)
         ids = list(prompt_token_ids)
         if not ids:
             raise InvalidRequestError(

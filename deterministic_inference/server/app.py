@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.responses import PlainTextResponse, Response
 
 from deterministic_inference.config import EngineConfig
@@ -41,6 +43,11 @@ from deterministic_inference.server.serving_completions import create_completion
 from deterministic_inference.server.serving_generate import generate
 
 DEFAULT_MAX_WAITING = 256
+STREAMED: dict[str, type[BaseModel]] = {  # path -> the model of each streamed event
+    "/v1/completions": schemas.CompletionResponse,
+    "/v1/chat/completions": schemas.ChatCompletionChunk,
+    "/generate": schemas.GenerateItem,
+}
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 ENGINE_STOP_TIMEOUT = 1.0  # at lifespan shutdown uvicorn already gave in-flight responses their time
 logger = logging.getLogger("detinf.server")
@@ -219,8 +226,9 @@ async def _flush_cache(ctx: ServingContext) -> Response:
 
 
 def _publish_schema(app: FastAPI, secured: bool) -> None:
-    """The OpenAPI document: FastAPI's, without its 422 answers (bad bodies are OpenAI-style 400s), and
-    with the Bearer scheme when an API key is required."""
+    """The OpenAPI document: FastAPI's, without its 422 answers (bad bodies are OpenAI-style 400s), with
+    the event schema of every streaming endpoint, and with the Bearer scheme when an API key is
+    required."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
@@ -229,9 +237,18 @@ def _publish_schema(app: FastAPI, secured: bool) -> None:
         for path in schema.get("paths", {}).values():
             for operation in path.values():
                 operation.get("responses", {}).pop("422", None)
-        components = schema.get("components", {}).get("schemas", {})
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
+        models: list[type[BaseModel]] = [*STREAMED.values(), schemas.ErrorResponse]
+        _, defs = models_json_schema(
+            [(model, "serialization") for model in models], ref_template="#/components/schemas/{model}"
+        )
+        for name, definition in defs.get("$defs", {}).items():
+            components.setdefault(name, definition)
+        for path, model in STREAMED.items():
+            content = schema["paths"][path]["post"]["responses"]["200"]["content"]
+            content["text/event-stream"] = {"schema": schemas.sse_event_schema(model)}
         if secured:
             schema.setdefault("components", {})["securitySchemes"] = {
                 "bearer": {"type": "http", "scheme": "bearer"}

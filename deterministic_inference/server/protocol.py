@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from deterministic_inference.engine.sampling_params import SamplingParams
+from deterministic_inference.engine.admission import MIN_TEMPERATURE, REPETITION_PENALTY_RANGE
+from deterministic_inference.engine.sampling_params import MAX_LOGPROBS, SEED_LIMIT, SamplingParams
 from deterministic_inference.server.errors import APIError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
@@ -26,6 +27,22 @@ class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
+def _ranged(**schema: Any) -> Any:
+    """An optional field whose published JSON schema states the range the server enforces. Only the
+    schema says it here: `SamplingParams` (or the handler) checks the value and names the field."""
+    return Field(default=None, json_schema_extra=schema)
+
+
+_COUNT = {"minimum": 1}
+_TEMPERATURE = {"minimum": 0, "description": f"0 = greedy, else at least {MIN_TEMPERATURE}"}
+_REPETITION = {"minimum": REPETITION_PENALTY_RANGE[0], "maximum": REPETITION_PENALTY_RANGE[1]}
+_SEED = {"minimum": 0, "maximum": SEED_LIMIT - 1}
+_PENALTY = {"minimum": -2, "maximum": 2}
+_TOP = {"minimum": 0, "maximum": MAX_LOGPROBS}
+_STOP = {"maxItems": MAX_STOP_STRINGS, "minLength": 1, "items": {"minLength": 1}}
+_STOP_IDS = {"maxItems": MAX_STOP_TOKEN_IDS, "items": {"minimum": 0}}
+
+
 class StreamOptions(_Body):
     """`stream_options`: only include_usage has an effect."""
 
@@ -36,18 +53,18 @@ class _SamplingFields(_Body):
     """Sampling fields shared by completions and chat (vLLM-style extras included)."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    n: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    max_tokens: int | None = _ranged(**_COUNT)
+    temperature: float | None = _ranged(**_TEMPERATURE)
+    top_p: float | None = _ranged(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = _ranged(minimum=-1)
+    min_p: float | None = _ranged(minimum=0, maximum=1)
+    seed: int | None = _ranged(**_SEED)
+    n: int | None = _ranged(**_COUNT)
+    stop: str | list[str] | None = _ranged(**_STOP)
+    stop_token_ids: list[int] | None = _ranged(**_STOP_IDS)
+    presence_penalty: float | None = _ranged(**_PENALTY)
+    frequency_penalty: float | None = _ranged(**_PENALTY)
+    repetition_penalty: float | None = _ranged(**_REPETITION)
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None
     stream: bool | None = None
@@ -92,11 +109,13 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        json_schema_extra={"minItems": 1, "items": {"minimum": 0, "minItems": 1}}
+    )
+    logprobs: int | None = _ranged(**_TOP)
     echo: bool | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = _ranged(**_COUNT)
 
     def reject_unsupported(self) -> None:
         super().reject_unsupported()
@@ -120,7 +139,7 @@ class CompletionRequest(_SamplingFields):
 class ChatMessage(_Body):
     """One chat message; content is text or a list of text parts."""
 
-    role: str
+    role: str = Field(json_schema_extra={"enum": ["system", "developer", "user", "assistant"]})
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None
@@ -133,10 +152,10 @@ _CHAT_ROLES = ("system", "developer", "user", "assistant")
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    max_completion_tokens: int | None = _ranged(**_COUNT)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _ranged(**_TOP)
     response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -206,30 +225,34 @@ def _message_text(index: int, content: str | list[dict[str, Any]] | None) -> str
 class GenerateSamplingParams(_Body):
     """SGLang `sampling_params` (the subset this engine implements)."""
 
-    max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    sampling_seed: int | None = None
-    n: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    max_new_tokens: int | None = _ranged(**_COUNT)
+    temperature: float | None = _ranged(**_TEMPERATURE)
+    top_p: float | None = _ranged(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = _ranged(minimum=-1)
+    min_p: float | None = _ranged(minimum=0, maximum=1)
+    sampling_seed: int | None = _ranged(**_SEED)
+    n: int | None = _ranged(**_COUNT)
+    stop: str | list[str] | None = _ranged(**_STOP)
+    stop_token_ids: list[int] | None = _ranged(**_STOP_IDS)
+    presence_penalty: float | None = _ranged(**_PENALTY)
+    frequency_penalty: float | None = _ranged(**_PENALTY)
+    repetition_penalty: float | None = _ranged(**_REPETITION)
     ignore_eos: bool | None = None
 
 
 class GenerateRequest(_Body):
-    """SGLang's native POST /generate."""
+    """SGLang's native POST /generate: exactly one of `text` and `input_ids`."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]}
+    )
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[int] | list[list[int]] | None = _ranged(items={"minimum": 0})
     sampling_params: GenerateSamplingParams | None = None
     stream: bool | None = None
     return_logprob: bool | None = None
-    top_logprobs_num: int | None = None
+    top_logprobs_num: int | None = _ranged(**_TOP)
 
     def prompts(self) -> tuple[list[str | list[int]], bool]:
         """(prompts, batched): from `text` or `input_ids`, exactly one of them."""

@@ -200,11 +200,34 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 def event_stream(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    """The 200 entry of an endpoint that streams `data: <model JSON>` events when `stream` is true."""
+    """The 200 entry of an endpoint that streams `data: <model JSON>` events when `stream` is true (its
+    event schema is filled in by `sse_event_schema` once the components exist)."""
     return {
         200: {
             "description": f"JSON, or with stream=true server-sent events of {model.__name__} ending in "
-            "`data: [DONE]`",
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            "`data: [DONE]` (an error after the stream started comes in-band as an ErrorResponse event)",
+            "content": {"text/event-stream": {"schema": {"type": "object"}}},
         }
     }
+
+
+def sse_event_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event (OpenAPI 3.1: the stream's `schema` describes each event): its `data` is
+    `[DONE]` or JSON holding a `model` or an ErrorResponse."""
+    payload = {"anyOf": [{"$ref": _ref(model)}, {"$ref": _ref(ErrorResponse)}]}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "anyOf": [
+                    {"const": "[DONE]"},
+                    {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
+                ]
+            }
+        },
+    }
+
+
+def _ref(model: type[BaseModel]) -> str:
+    return f"#/components/schemas/{model.__name__}"

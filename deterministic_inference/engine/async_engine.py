@@ -42,34 +42,36 @@ from deterministic_inference.engine.engine_loop import (
     EngineLoop,
     StopCommand,
 )
-from deterministic_inference.engine.outputs import OutputAssembler, RequestDelta, RequestOutput, merge_deltas
+from deterministic_inference.engine.outputs import OutputAssembler, RequestOutput
+from deterministic_inference.engine.request_stream import (
+    EngineNotReadyError,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
+    ShutdownAbortError,
+    Sink,
+    fold,
+)
 from deterministic_inference.engine.sampling_params import SamplingParams
-from deterministic_inference.errors import DetinfError, EngineDeadError, InvalidRequestError
+from deterministic_inference.errors import EngineDeadError, InvalidRequestError
 from deterministic_inference.model.tokenizer import Tokenizer
+
+__all__ = [
+    "AsyncEngine",
+    "EngineInfo",
+    "EngineNotReadyError",
+    "EngineState",
+    "QueueFullError",
+    "RequestFailedError",
+    "RequestStream",
+    "ShutdownAbortError",
+    "encode_text",
+    "fold",
+]
 
 T = TypeVar("T")
 logger = logging.getLogger("detinf.engine")
 STOP_JOIN_GRACE = 5.0  # seconds a stop waits for the engine thread beyond its drain deadline
-
-
-class QueueFullError(DetinfError):
-    """The bounded request queue is full; retry later (HTTP 429 with Retry-After)."""
-
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class EngineNotReadyError(DetinfError):
-    """The engine is still loading, failed to load, or is shutting down (HTTP 503)."""
-
-
-class ShutdownAbortError(EngineNotReadyError):
-    """The server shut down before the request finished (HTTP 503)."""
-
-
-class RequestFailedError(DetinfError):
-    """This request failed inside the engine; other requests were not affected (HTTP 500)."""
 
 
 class EngineState(enum.Enum):
@@ -93,21 +95,6 @@ class EngineInfo:
     tokenizer: Tokenizer  # read-only use from the event loop (tokenize, chat template, token texts)
     max_num_seqs: int
     limits: AdmissionLimits  # what a request must satisfy before it is submitted
-
-
-class _Sink:
-    """One request's asyncio queue, fed from the engine thread."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-
-    def put(self, item: Any) -> None:
-        """Thread-safe: schedule `item` onto the queue in the event loop (no-op once the loop closed)."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # loop closed: nobody is listening any more
-            pass
 
 
 def encode_text(tokenizer: Tokenizer, text: str, param: str = "prompt") -> list[int]:
@@ -212,10 +199,10 @@ class AsyncEngine:
         if self._inflight + params.n > self.capacity:
             raise QueueFullError(f"server busy: {self._inflight} sequences in flight; retry shortly")
         request_id = request_id or self.new_request_id("req")
-        sink = _Sink(asyncio.get_running_loop())
+        sink = Sink(asyncio.get_running_loop())
         self._submit(AddCommand(request_id, ids, params, sink))
         self._inflight += params.n
-        stream = RequestStream(self, request_id, params.n, sink)
+        stream = RequestStream(request_id, sink, on_close=self._closed_stream(request_id, params.n))
         try:
             first = await sink.queue.get()
         except BaseException:
@@ -242,7 +229,7 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` in the engine thread between steps; returns its result."""
-        sink = _Sink(asyncio.get_running_loop())
+        sink = Sink(asyncio.get_running_loop())
         self._submit(CallCommand(fn, sink))
         ok, value = await sink.queue.get()
         if not ok:
@@ -286,13 +273,18 @@ class AsyncEngine:
                 raise EngineNotReadyError(f"the engine is {self.state.value}; retry later")
             self._commands.put(command)
 
-    def _abort(self, request_id: str) -> None:
-        with self._lock:
-            if self.state in (EngineState.READY, EngineState.STOPPING):
-                self._commands.put(AbortCommand(request_id))
+    def _closed_stream(self, request_id: str, num_sequences: int) -> Callable[[bool], None]:
+        """What closing a request's stream does: abort it in the engine if it has not finished, and
+        release its admission slots."""
 
-    def _finished(self, num_sequences: int) -> None:
-        self._inflight -= num_sequences
+        def closed(finished: bool) -> None:
+            if not finished:
+                with self._lock:
+                    if self.state in (EngineState.READY, EngineState.STOPPING):
+                        self._commands.put(AbortCommand(request_id))
+            self._inflight -= num_sequences
+
+        return closed
 
     # ----- engine-thread side --------------------------------------------------------------------
 
@@ -375,82 +367,3 @@ class AsyncEngine:
                 self._loop.call_soon_threadsafe(callback, argument)
             except RuntimeError:  # loop closed
                 pass
-
-
-def fold(assembler: OutputAssembler | None, delta: RequestDelta) -> OutputAssembler:
-    """Start assembling at the first delta, then add each next one."""
-    if assembler is None:
-        return OutputAssembler(delta)
-    assembler.add(delta)
-    return assembler
-
-
-class RequestStream:
-    """A request accepted by the engine: iterate `deltas()` (or await `result()`), then `close()`."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str, num_sequences: int, sink: _Sink) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._num_sequences = num_sequences
-        self._sink = sink
-        self._held: Any = None  # an item taken from the queue while merging, served next
-        self.finished = False
-        self._closed = False
-
-    async def deltas(self) -> AsyncIterator[RequestDelta]:
-        """The request's deltas until it finished (the last one has `finished`). Deltas that queued up
-        while the consumer was busy are merged into one (concatenation: nothing is lost or changed).
-        Raises RequestFailedError if the request failed in the engine, EngineDeadError if the engine
-        died, ShutdownAbortError if the server shut down first."""
-        while not self.finished:
-            item = await self._next()
-            if isinstance(item, RequestDelta):
-                item = self._merge_queued(item)
-            if isinstance(item, BaseException):
-                self.finished = True
-                self.close()
-                raise item
-            if item.error is not None:
-                self.finished = True
-                self.close()
-                raise RequestFailedError(item.error)
-            if item.finished:
-                self.finished = True
-                self.close()
-            yield item
-
-    async def result(self) -> RequestOutput:
-        """The finished output, assembled from the deltas (waits for them)."""
-        assembler: OutputAssembler | None = None
-        async for delta in self.deltas():
-            assembler = fold(assembler, delta)
-        if assembler is None:  # pragma: no cover - deltas() always ends with a finished delta or raises
-            raise EngineDeadError("request ended without output")
-        return assembler.output()
-
-    async def _next(self) -> Any:
-        if self._held is not None:
-            item, self._held = self._held, None
-            return item
-        return await self._sink.queue.get()
-
-    def _merge_queued(self, delta: RequestDelta) -> RequestDelta:
-        while not delta.finished and delta.error is None:
-            try:
-                item = self._sink.queue.get_nowait()
-            except asyncio.QueueEmpty:
-                break
-            if not isinstance(item, RequestDelta):
-                self._held = item
-                break
-            delta = merge_deltas(delta, item)
-        return delta
-
-    def close(self) -> None:
-        """Release the request's admission slot; abort it in the engine if it has not finished."""
-        if self._closed:
-            return
-        self._closed = True
-        if not self.finished:
-            self._engine._abort(self.request_id)
-        self._engine._finished(self._num_sequences)

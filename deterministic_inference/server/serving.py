@@ -104,6 +104,19 @@ class ServingContext:
             return await asyncio.to_thread(render)
         return render()
 
+    def check_capacity(self, num_prompts: int, n: int, prompt_param: str = "prompt") -> None:
+        """400 when a request holds more sequences (prompts x n) than the server can ever admit; call
+        before tokenizing its prompts."""
+        capacity = self.engine.capacity
+        if n > capacity:
+            raise InvalidRequestError(f"n: {n} exceeds the server's capacity of {capacity}", param="n")
+        if num_prompts * n > capacity:
+            raise InvalidRequestError(
+                f"{prompt_param}: {num_prompts} prompts x n={n} sequences exceed the server's capacity of "
+                f"{capacity}; send fewer at once",
+                param=prompt_param,
+            )
+
     async def submit(
         self,
         prompts: Sequence[list[int]],
@@ -115,17 +128,8 @@ class ServingContext:
         """Check every prompt, then submit one engine request per prompt; all accepted or none (the
         others are aborted)."""
         info = self.info()
+        self.check_capacity(len(prompts), params.n, prompt_param)
         checked = [info.limits.check(ids, params, prompt_param, max_tokens_param) for ids in prompts]
-        if params.n > self.engine.capacity:
-            raise InvalidRequestError(
-                f"n: {params.n} exceeds the server's capacity of {self.engine.capacity}", param="n"
-            )
-        if len(checked) * params.n > self.engine.capacity:
-            raise InvalidRequestError(
-                f"{prompt_param}: {len(checked)} prompts x n={params.n} sequences exceed the server's "
-                f"capacity of {self.engine.capacity}; send fewer at once",
-                param=prompt_param,
-            )
         tracked: list[Tracked] = []
         try:
             for ids in checked:

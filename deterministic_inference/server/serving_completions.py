@@ -55,6 +55,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     prompt_logprobs = body.logprobs if echo and body.logprobs is not None else None
     params = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs)
     prompts = body.prompts()
+    ctx.check_capacity(len(prompts), params.n)
     ids = [p if isinstance(p, list) else await ctx.encode(p, "prompt") for p in prompts]
     tracked = await ctx.submit(ids, params, "cmpl")
     response_id = f"cmpl-{uuid.uuid4().hex}"

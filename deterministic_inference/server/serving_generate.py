@@ -34,6 +34,7 @@ async def generate(ctx: ServingContext, body: GenerateRequest, request: Request)
     params = body.params()
     fingerprint = ctx.info().system_fingerprint
     param = "text" if body.text is not None else "input_ids"
+    ctx.check_capacity(len(prompts), params.n, param)
     ids = [p if isinstance(p, list) else await ctx.encode(p, param) for p in prompts]
     tracked = await ctx.submit(ids, params, "gen", param, "sampling_params.max_new_tokens")
     with_logprobs = bool(body.return_logprob)

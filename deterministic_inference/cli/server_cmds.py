@@ -1,4 +1,11 @@
-"""`detinf serve` (OpenAI-compatible server) and `detinf audit` (determinism audit of any endpoint)."""
+"""`detinf serve` (OpenAI-compatible server) and `detinf audit` (determinism audit of any endpoint).
+
+Exit codes of `serve`: 0 after a clean shutdown (SIGTERM/SIGINT: stop accepting, let in-flight requests
+finish for up to --shutdown-timeout seconds, abort the rest); 1 when the engine failed to load, died
+while serving (the process exits within a few seconds so a supervisor restarts it) or did not stop.
+Every shutdown is bounded (`server/process.py`). The environment variable DETINF_FAULT_INJECTION (read
+once at start-up; see `engine/faults.py`) injects engine faults for tests.
+"""
 
 from __future__ import annotations
 
@@ -42,6 +49,13 @@ def _register_serve(subparsers: Any) -> None:
         help="sequences queued beyond --max-num-seqs before 429 (default 256)",
     )
     parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=None,
+        help="seconds in-flight requests may take to finish after SIGTERM/SIGINT before they are aborted "
+        "(default 30)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     add_engine_options(parser)
@@ -49,28 +63,46 @@ def _register_serve(subparsers: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Runs uvicorn until SIGINT/SIGTERM (in-flight requests finish first); 1 if the engine failed to load."""
-    import uvicorn
-
+    """Runs uvicorn until SIGINT/SIGTERM or an engine failure (see the module docstring for exit codes)."""
     from deterministic_inference.engine.async_engine import EngineInfo
-    from deterministic_inference.server.app import DEFAULT_MAX_WAITING, ServerSettings, create_app
+    from deterministic_inference.engine.engine import Engine
+    from deterministic_inference.engine.faults import ENV_VAR, FaultInjection
+    from deterministic_inference.server.app import (
+        DEFAULT_MAX_WAITING,
+        DEFAULT_SHUTDOWN_TIMEOUT,
+        ServerSettings,
+        create_app,
+    )
+    from deterministic_inference.server.process import BoundedServer, configure_logging, make_server
 
     config = engine_config_from_args(args)
     if args.max_waiting is not None and args.max_waiting < 0:
         print("detinf serve: error: --max-waiting must be >= 0", file=sys.stderr)
         return 2
+    timeout = DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None else args.shutdown_timeout
+    if not timeout >= 0:
+        print("detinf serve: error: --shutdown-timeout must be >= 0 seconds", file=sys.stderr)
+        return 2
+    faults = FaultInjection.parse(os.environ.get(ENV_VAR, ""))  # read once, at start-up (tests only)
     settings = ServerSettings(
         api_key=args.api_key or os.environ.get("DETINF_API_KEY") or None,
         served_model_name=args.served_model_name,
         max_waiting=DEFAULT_MAX_WAITING if args.max_waiting is None else args.max_waiting,
+        shutdown_timeout=timeout,
     )
+    configure_logging(args.log_level)
     failures: list[str] = []
-    holder: list[uvicorn.Server] = []
+    holder: list[BoundedServer] = []
 
     def on_load_failure(summary: str) -> None:
         failures.append(summary)
         print(f"detinf serve: error: the engine failed to start: {summary}", file=sys.stderr)
         holder[0].should_exit = True
+
+    def on_failure(summary: str) -> None:
+        failures.append(summary)
+        print(f"detinf serve: error: the engine failed, exiting for a restart: {summary}", file=sys.stderr)
+        holder[0].exit_after_failure()
 
     def on_ready(info: EngineInfo) -> None:
         print(
@@ -80,16 +112,27 @@ def run_serve(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    app = create_app(config, settings, on_load_failure=on_load_failure, on_ready=on_ready)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    app = create_app(
+        config,
+        settings,
+        engine_factory=lambda: Engine(config, faults=faults),
+        on_load_failure=on_load_failure,
+        on_ready=on_ready,
+        on_failure=on_failure,
+    )
+    engine = app.state.ctx.engine
+    server = make_server(
+        app, args.host, args.port, args.log_level, timeout, lambda: engine.begin_stop_threadsafe(timeout)
+    )
     holder.append(server)
-    _exit_zero_on_sigterm()
+    _exit_zero_on_signals()
     server.run()
-    return 1 if failures else 0
+    return 1 if failures or not app.state.stopped_cleanly else 0
 
 
-def _exit_zero_on_sigterm() -> None:
-    """uvicorn drains on SIGTERM, then re-raises the signal to the previous handler; make that handler a
-    no-op so a drained shutdown exits 0 instead of dying by the signal."""
+def _exit_zero_on_signals() -> None:
+    """uvicorn shuts down on SIGTERM/SIGINT, then re-raises the signal to the previous handler; make that
+    handler a no-op so a clean shutdown exits with our code instead of dying by the signal."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: None)

@@ -1,49 +1,77 @@
 """`AsyncEngine`: the engine in one background thread, driven from an asyncio event loop.
 
-Only the engine thread touches the `Engine` (scheduler, KV cache, model). The event loop talks to it
-through a thread-safe command queue (add, abort, call, stop), and the thread hands each request's
-outputs back through that request's asyncio queue with `loop.call_soon_threadsafe`, so the event loop
-never blocks on compute. The engine is also *built* in that thread: the server can answer `/healthz`
-(503) while the model loads and the start-up self-check runs.
+Only the engine thread touches the `Engine` (scheduler, KV cache, model); its loop is `EngineLoop`. The
+event loop talks to it through a thread-safe command queue (add, abort, call, stop), and the thread hands
+each request's per-step deltas back through that request's asyncio queue with
+`loop.call_soon_threadsafe`, so the event loop never blocks on compute. The engine is also *built* in that
+thread: the server can answer `/healthz` (503) while the model loads and the start-up self-check runs.
 
 The order in which the thread applies commands is the order the event loop submitted them, and the
 engine's outputs do not depend on timing (the determinism contract), so running it in a thread changes
 when results arrive, never what they are.
 
-Failure handling: if the engine raises while stepping, every in-flight request receives
-`EngineDeadError` and later submissions fail at once with it: a request never hangs on a dead engine.
+Admission: `add` takes token ids (or text, tokenized here, on the caller's side) and checks them against
+the engine's limits BEFORE submitting, so request content never fails inside the engine thread.
+
+Failures: a request that fails inside a step (its own sampling or detokenization) gets
+`RequestFailedError`, the others go on. If a step itself raises (an engine bug), every in-flight request
+receives `EngineDeadError`, later submissions fail at once with it, the traceback goes to the log only,
+and `on_failure` is called so the server can exit for its supervisor to restart it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import queue
 import threading
-import traceback
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from deterministic_inference.engine.admission import AdmissionLimits
 from deterministic_inference.engine.engine import Engine
-from deterministic_inference.engine.outputs import RequestOutput
+from deterministic_inference.engine.engine_loop import (
+    ACCEPTED,
+    AbortCommand,
+    AddCommand,
+    CallCommand,
+    Command,
+    EngineLoop,
+    StopCommand,
+)
+from deterministic_inference.engine.outputs import OutputAssembler, RequestOutput
+from deterministic_inference.engine.request_stream import (
+    EngineNotReadyError,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
+    ShutdownAbortError,
+    Sink,
+    fold,
+)
 from deterministic_inference.engine.sampling_params import SamplingParams
-from deterministic_inference.errors import DetinfError, EngineDeadError, InvalidRequestError
+from deterministic_inference.errors import EngineDeadError, InvalidRequestError
 from deterministic_inference.model.tokenizer import Tokenizer
 
+__all__ = [
+    "AsyncEngine",
+    "EngineInfo",
+    "EngineNotReadyError",
+    "EngineState",
+    "QueueFullError",
+    "RequestFailedError",
+    "RequestStream",
+    "ShutdownAbortError",
+    "encode_text",
+    "fold",
+]
+
 T = TypeVar("T")
-
-
-class QueueFullError(DetinfError):
-    """The bounded request queue is full; retry later (HTTP 429 with Retry-After)."""
-
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class EngineNotReadyError(DetinfError):
-    """The engine is still loading, failed to load, or is shutting down (HTTP 503)."""
+logger = logging.getLogger("detinf.engine")
+STOP_JOIN_GRACE = 5.0  # seconds a stop waits for the engine thread beyond its drain deadline
 
 
 class EngineState(enum.Enum):
@@ -64,50 +92,20 @@ class EngineInfo:
     system_fingerprint: str
     model_name: str
     max_model_len: int
-    tokenizer: Tokenizer  # read-only use from the event loop (chat template, token texts)
+    tokenizer: Tokenizer  # read-only use from the event loop (tokenize, chat template, token texts)
     max_num_seqs: int
+    limits: AdmissionLimits  # what a request must satisfy before it is submitted
 
 
-@dataclass
-class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    sink: _Sink
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _Call:
-    fn: Callable[[Engine], Any]
-    sink: _Sink
-
-
-class _Stop:
-    pass
-
-
-_Command = _Add | _Abort | _Call | _Stop
-_ACCEPTED = object()  # first item of a request's queue once the engine took it
-
-
-class _Sink:
-    """One request's asyncio queue, fed from the engine thread."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-
-    def put(self, item: Any) -> None:
-        """Thread-safe: schedule `item` onto the queue in the event loop (no-op once the loop closed)."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # loop closed: nobody is listening any more
-            pass
+def encode_text(tokenizer: Tokenizer, text: str, param: str = "prompt") -> list[int]:
+    """Token ids of request text; InvalidRequestError (naming `param`) if the tokenizer refuses it."""
+    try:
+        return tokenizer.encode(text)
+    except Exception as error:  # noqa: BLE001 - request content: a 400, never an engine failure
+        raise InvalidRequestError(
+            f"{param}: the text cannot be tokenized ({type(error).__name__}); send valid Unicode text",
+            param=param,
+        ) from None
 
 
 class AsyncEngine:
@@ -123,18 +121,21 @@ class AsyncEngine:
         self._factory = engine_factory
         self.capacity = capacity
         self.state = EngineState.NEW
-        self.error: str | None = None  # why the engine failed, when it did
+        self.error: str | None = None  # why the engine failed, one line (for the log and the operator)
+        self.public_error: str | None = None  # the same for clients: no message text, no path
         self.info: EngineInfo | None = None
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards state changes against submissions
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
+        self._serving = False  # the engine thread is in its serving loop
         self._stats: dict[str, Any] = {}
         self._inflight = 0  # sequences admitted and not finished (event-loop side only)
         self._next_id = 0
         self.on_load_failure: Callable[[str], None] | None = None  # called in the loop thread
         self.on_ready: Callable[[EngineInfo], None] | None = None  # called in the loop thread
+        self.on_failure: Callable[[str], None] | None = None  # engine died while serving (loop thread)
 
     # ----- event-loop side -----------------------------------------------------------------------
 
@@ -173,30 +174,41 @@ class AsyncEngine:
         self._next_id += 1
         return f"{prefix}-{self._next_id}"
 
+    def check_ready(self) -> EngineInfo:
+        """The engine's info; EngineDeadError if it failed, EngineNotReadyError if not serving."""
+        if self.state is EngineState.FAILED:
+            raise EngineDeadError(self.public_error or "the engine is not running")
+        if self.state is not EngineState.READY or self.info is None:
+            raise EngineNotReadyError(f"the engine is {self.state.value}; retry when /healthz returns 200")
+        return self.info
+
     async def add(
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
     ) -> RequestStream:
-        """Submit a request and wait until the engine accepted it (prompt encoded and validated).
+        """Check and submit a request, then wait until the engine accepted it.
 
-        Raises QueueFullError, EngineNotReadyError, EngineDeadError, or InvalidRequestError from the
-        engine (too long for the context, bad token ids...). Close the returned stream when done.
+        Text is tokenized here, and the ids are checked against the engine's limits (vocabulary,
+        context, KV pool) before anything reaches the engine thread. Raises InvalidRequestError,
+        QueueFullError, EngineNotReadyError or EngineDeadError. Close the returned stream when done.
         """
+        info = self.check_ready()
+        ids = encode_text(info.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        ids = info.limits.check(ids, params)
         if params.n > self.capacity:
             raise InvalidRequestError(f"n: {params.n} exceeds the server's capacity of {self.capacity}", "n")
         if self._inflight + params.n > self.capacity:
             raise QueueFullError(f"server busy: {self._inflight} sequences in flight; retry shortly")
-        loop = asyncio.get_running_loop()
         request_id = request_id or self.new_request_id("req")
-        sink = _Sink(loop)
-        self._submit(_Add(request_id, prompt if isinstance(prompt, str) else list(prompt), params, sink))
+        sink = Sink(asyncio.get_running_loop())
+        self._submit(AddCommand(request_id, ids, params, sink))
         self._inflight += params.n
-        stream = RequestStream(self, request_id, params.n, sink)
+        stream = RequestStream(request_id, sink, on_close=self._closed_stream(request_id, params.n))
         try:
             first = await sink.queue.get()
         except BaseException:
             stream.close()
             raise
-        if first is not _ACCEPTED:
+        if first is not ACCEPTED:
             stream.close()
             raise first
         return stream
@@ -204,48 +216,75 @@ class AsyncEngine:
     async def generate(
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield every output until it finished; cancelling aborts it."""
+        """Submit a request and yield its full output after every delta until it finished (assembled
+        from the deltas); cancelling aborts it."""
         stream = await self.add(prompt, params, request_id)
+        assembler: OutputAssembler | None = None
         try:
-            async for output in stream.outputs(coalesce=False):
-                yield output
+            async for delta in stream.deltas():
+                assembler = fold(assembler, delta)
+                yield assembler.output()
         finally:
             stream.close()
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` in the engine thread between steps; returns its result."""
-        sink = _Sink(asyncio.get_running_loop())
-        self._submit(_Call(fn, sink))
+        sink = Sink(asyncio.get_running_loop())
+        self._submit(CallCommand(fn, sink))
         ok, value = await sink.queue.get()
         if not ok:
             raise value
         return value  # type: ignore[no-any-return]
 
-    async def stop(self) -> None:
-        """Stop accepting requests, let in-flight ones finish, and join the engine thread."""
+    def begin_stop(self, timeout: float | None = None) -> None:
+        """Stop admitting requests now; in-flight ones may finish for `timeout` seconds (None: until
+        done), then the engine thread aborts the rest, freeing their KV blocks (logged)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             if self.state in (EngineState.LOADING, EngineState.READY):
                 self.state = EngineState.STOPPING
-                self._commands.put(_Stop())
-            thread = self._thread
-        if thread is not None:
-            await asyncio.to_thread(thread.join)
+                self._commands.put(StopCommand(deadline))
 
-    def _submit(self, command: _Command) -> None:
+    def begin_stop_threadsafe(self, timeout: float | None) -> None:
+        """`begin_stop` from any thread or a signal handler (runs it on the event loop)."""
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self.begin_stop, timeout)
+            except RuntimeError:  # loop closed
+                pass
+
+    async def stop(self, timeout: float | None = None) -> bool:
+        """`begin_stop(timeout)` (unless a stop already began), then join the engine thread. Returns
+        True when the engine stopped cleanly, False when it had failed or a step hung past the bound."""
+        self.begin_stop(timeout)
+        thread = self._thread
+        if thread is not None:
+            await asyncio.to_thread(thread.join, None if timeout is None else timeout + STOP_JOIN_GRACE)
+            if thread.is_alive() and self._serving:
+                logger.error("the engine thread did not stop (a step is hung); exiting without it")
+                return False
+        return self.state is not EngineState.FAILED
+
+    def _submit(self, command: Command) -> None:
         with self._lock:
             if self.state is EngineState.FAILED:
-                raise EngineDeadError(f"the engine is not running: {self.error}")
+                raise EngineDeadError(self.public_error or "the engine is not running")
             if self.state is not EngineState.READY:
                 raise EngineNotReadyError(f"the engine is {self.state.value}; retry later")
             self._commands.put(command)
 
-    def _abort(self, request_id: str) -> None:
-        with self._lock:
-            if self.state in (EngineState.READY, EngineState.STOPPING):
-                self._commands.put(_Abort(request_id))
+    def _closed_stream(self, request_id: str, num_sequences: int) -> Callable[[bool], None]:
+        """What closing a request's stream does: abort it in the engine if it has not finished, and
+        release its admission slots."""
 
-    def _finished(self, num_sequences: int) -> None:
-        self._inflight -= num_sequences
+        def closed(finished: bool) -> None:
+            if not finished:
+                with self._lock:
+                    if self.state in (EngineState.READY, EngineState.STOPPING):
+                        self._commands.put(AbortCommand(request_id))
+            self._inflight -= num_sequences
+
+        return closed
 
     # ----- engine-thread side --------------------------------------------------------------------
 
@@ -261,6 +300,7 @@ class AsyncEngine:
             max_model_len=engine.max_model_len,
             tokenizer=engine.tokenizer,
             max_num_seqs=engine.config.max_num_seqs,
+            limits=engine.limits,
         )
         self._stats = engine.stats()
         with self._lock:
@@ -270,89 +310,56 @@ class AsyncEngine:
         if stopped_while_loading:
             return
         self._notify(self.on_ready, self.info)
-        sinks: dict[str, _Sink] = {}
+        loop = EngineLoop(
+            engine,
+            self._commands,
+            self._publish_stats,
+            lambda: ShutdownAbortError("the server is shutting down; the request was aborted, retry it"),
+            RequestFailedError,
+        )
+        self._serving = True
         try:
-            self._serve(engine, sinks)
+            loop.run()
         except BaseException as error:  # noqa: BLE001 - fail every request instead of hanging them
-            self._die(error, loading=False, sinks=sinks)
+            self._die(error, loading=False, loop=loop)
             return
         with self._lock:
             self.state = EngineState.STOPPED
 
-    def _serve(self, engine: Engine, sinks: dict[str, _Sink]) -> None:
-        stopping = False
-        while True:
-            commands = self._take_commands(block=not engine.has_unfinished and not stopping)
-            for command in commands:
-                if isinstance(command, _Stop):
-                    stopping = True
-                else:
-                    self._apply(engine, command, sinks)
-            outputs = engine.step() if engine.has_unfinished else None
-            if commands or outputs is not None:
-                self._stats = engine.stats()  # published before the outputs: clients never see stale stats
-            if outputs:
-                self._deliver(engine, outputs, sinks)
-            if stopping and not engine.has_unfinished:
-                return
+    def _publish_stats(self, stats: dict[str, Any]) -> None:
+        self._stats = stats
 
-    def _take_commands(self, block: bool) -> list[_Command]:
-        commands: list[_Command] = []
-        if block:
-            commands.append(self._commands.get())
+    def _die(self, error: BaseException, loading: bool, loop: EngineLoop | None = None) -> None:
+        summary = f"{type(error).__name__}: {error}".splitlines()[0]
+        if loading:
+            public = f"the engine failed to load ({type(error).__name__}); see the server log"
+        else:
+            logger.error("the engine failed while serving; failing every in-flight request", exc_info=error)
+            name = type(error).__name__
+            public = f"the engine stopped after an internal error ({name}); see the server log"
+        with self._lock:
+            self.state = EngineState.FAILED
+            self.error = summary
+            self.public_error = public
+        self._ready.set()
+        dead = EngineDeadError(public)
+        pending = loop.take_commands(block=False) if loop is not None else self._drain_commands()
+        if loop is not None:
+            loop.fail_all(dead)
+        for command in pending:
+            if isinstance(command, AddCommand):
+                command.sink.put(dead)
+            elif isinstance(command, CallCommand):
+                command.sink.put((False, dead))
+        self._notify(self.on_load_failure if loading else self.on_failure, summary)
+
+    def _drain_commands(self) -> list[Command]:
+        commands: list[Command] = []
         while True:
             try:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
                 return commands
-
-    def _apply(self, engine: Engine, command: _Command, sinks: dict[str, _Sink]) -> None:
-        if isinstance(command, _Add):
-            try:
-                engine.add_request(command.prompt, command.params, command.request_id)
-            except DetinfError as error:
-                command.sink.put(error)
-                return
-            sinks[command.request_id] = command.sink
-            command.sink.put(_ACCEPTED)
-        elif isinstance(command, _Abort):
-            engine.abort(command.request_id)
-            sinks.pop(command.request_id, None)
-        elif isinstance(command, _Call):
-            try:
-                command.sink.put((True, command.fn(engine)))
-            except DetinfError as error:
-                command.sink.put((False, error))
-
-    def _deliver(self, engine: Engine, outputs: list[RequestOutput], sinks: dict[str, _Sink]) -> None:
-        for output in outputs:
-            sink = sinks.get(output.request_id)
-            if sink is None:
-                continue
-            sink.put(output)
-            if output.finished:
-                del sinks[output.request_id]
-                engine.release(output.request_id)
-
-    def _die(self, error: BaseException, loading: bool, sinks: dict[str, _Sink] | None = None) -> None:
-        summary = f"{type(error).__name__}: {error}"
-        if not isinstance(error, DetinfError):
-            summary += "\n" + "".join(traceback.format_exception(error)[-3:])
-        with self._lock:
-            self.state = EngineState.FAILED
-            self.error = summary
-            pending = self._take_commands(block=False)
-        self._ready.set()
-        dead = EngineDeadError(f"the engine stopped: {summary.splitlines()[0]}")
-        for sink in (sinks or {}).values():
-            sink.put(dead)
-        for command in pending:
-            if isinstance(command, _Add):
-                command.sink.put(dead)
-            elif isinstance(command, _Call):
-                command.sink.put((False, dead))
-        if loading:
-            self._notify(self.on_load_failure, summary)
 
     def _notify(self, callback: Callable[[Any], None] | None, argument: Any) -> None:
         if callback is not None and self._loop is not None:
@@ -360,52 +367,3 @@ class AsyncEngine:
                 self._loop.call_soon_threadsafe(callback, argument)
             except RuntimeError:  # loop closed
                 pass
-
-
-class RequestStream:
-    """A request accepted by the engine: iterate `outputs()`, then `close()` (aborts if unfinished)."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str, num_sequences: int, sink: _Sink) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._num_sequences = num_sequences
-        self._sink = sink
-        self.finished = False
-        self._closed = False
-
-    async def outputs(self, coalesce: bool = True) -> AsyncIterator[RequestOutput]:
-        """Outputs until the request finished (the last one has `finished`). With `coalesce`, outputs
-        that queued up while the consumer was busy are skipped in favour of the newest one: each output
-        is a full snapshot, so nothing is lost. Raises EngineDeadError if the engine died."""
-        while not self.finished:
-            item = await self._sink.queue.get()
-            while coalesce and isinstance(item, RequestOutput) and not item.finished:
-                try:
-                    item = self._sink.queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    break
-            if isinstance(item, BaseException):
-                self.close()
-                raise item
-            if item.finished:
-                self.finished = True
-                self.close()
-            yield item
-
-    async def result(self) -> RequestOutput:
-        """The finished output (waits for it)."""
-        last: RequestOutput | None = None
-        async for output in self.outputs():
-            last = output
-        if last is None:  # pragma: no cover - outputs() always ends with a finished output
-            raise EngineDeadError("request ended without output")
-        return last
-
-    def close(self) -> None:
-        """Release the request's admission slot; abort it in the engine if it has not finished."""
-        if self._closed:
-            return
-        self._closed = True
-        if not self.finished:
-            self._engine._abort(self.request_id)
-        self._engine._finished(self._num_sequences)

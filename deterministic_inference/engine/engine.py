@@ -1,9 +1,13 @@
-"""The engine: add requests, step (schedule -> run -> sample -> update), collect outputs.
+"""The engine: add requests, step (schedule -> execute -> update), collect per-step deltas or outputs.
 
-One engine step is three calls: `Scheduler.schedule()` builds a `StepPlan`, `ModelRunner.execute()`
-computes the logits rows it asks for, the sampler picks tokens, and `Scheduler.update()` advances the
-requests. Nothing here reads the wall clock or iterates an unordered collection, so the sequence of
-plans is a pure function of the requests added and their order.
+One engine step is three calls: `Scheduler.schedule()` builds a `StepPlan`, `ModelRunner.run()` computes
+the logits rows it asks for and samples them into a typed `ModelRunnerOutput`, and `Scheduler.update()`
+appends the tokens, checks stops, finishes and frees, returning the step's `RequestDelta`s (only what is
+new). Nothing here reads the wall clock or iterates an unordered collection, so the sequence of plans is
+a pure function of the requests added and their order.
+
+The offline API (`step`, `generate`, `stream`) folds the deltas into full `RequestOutput`s; the server
+consumes the deltas themselves (`step_deltas`).
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ import torch
 
 from deterministic_inference import fingerprint
 from deterministic_inference.config import EngineConfig
-from deterministic_inference.engine import sampler
+from deterministic_inference.engine.admission import AdmissionLimits
+from deterministic_inference.engine.faults import FaultInjection
 from deterministic_inference.engine.kv_cache import KVCacheManager
 from deterministic_inference.engine.model_runner import ModelRunner
-from deterministic_inference.engine.outputs import RequestOutput
-from deterministic_inference.engine.plan import ScheduledChunk, StepPlan
-from deterministic_inference.engine.request import Request, RequestStatus
+from deterministic_inference.engine.outputs import OutputAssembler, RequestDelta, RequestOutput
+from deterministic_inference.engine.plan import StepPlan
+from deterministic_inference.engine.request import ParentRequest, Request, RequestStatus
 from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.engine.scheduler import Scheduler
 from deterministic_inference.engine.sequence_state import SequenceState
@@ -43,9 +48,18 @@ StepLayerHook = Callable[[int, int, list[str], list[int], torch.Tensor], None]
 
 
 class Engine:
-    """Offline engine over one model; not thread-safe (the async wrapper owns it from one thread)."""
+    """Offline engine over one model; not thread-safe (the async wrapper owns it from one thread).
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, record_trace: bool = False):
+    `faults` injects test-only failures (see `engine/faults.py`); it is a constructor argument, never
+    something a request can reach."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        record_trace: bool = False,
+        faults: FaultInjection | None = None,
+    ):
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         keep_freed_memory()
@@ -79,16 +93,23 @@ class Engine:
             num_blocks, config.kv_block_size, config.enable_prefix_caching, self.system_fingerprint
         )
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            self.tokenizer.eos_token_ids,
         )
-        self.runner = ModelRunner(self.model, num_blocks, config.kv_block_size)
+        self.faults = faults or FaultInjection()
+        self.runner = ModelRunner(self.model, num_blocks, config.kv_block_size, self.faults.sample_fn())
+        self.limits = AdmissionLimits(
+            self.spec.vocab_size, self.max_model_len, config.kv_block_size, num_blocks
+        )
         release_freed_memory()  # the load's and the self-check's temporaries
         self.record_trace = record_trace
         self.trace: list[StepPlan] = []
-        self._states: dict[str, SequenceState] = {}  # sequence id -> state
-        self._groups: dict[str, list[str]] = {}  # request id -> its sequence ids, choice order
-        self._prompts: dict[str, list[int]] = {}
-        self._next_step = 0
+        self._parents: dict[str, ParentRequest] = {}  # unfinished requests by id
+        self._assembled: dict[str, OutputAssembler] = {}  # offline API: outputs folded from deltas
+        self._steps_run = 0
         self._next_auto_id = 0
 
     @property
@@ -98,10 +119,7 @@ class Engine:
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt given as text or as ids (validated against the vocabulary)."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequestError("prompt: is empty; give at least one token", param="prompt")
         vocab = self.spec.vocab_size
@@ -115,54 +133,57 @@ class Engine:
     def add_request(
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
-        """Queue a request (expanded into n sequences); returns its id. Raises InvalidRequestError."""
-        ids = self.encode_prompt(prompt)
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
-                f"{self.max_model_len} tokens; shorten the prompt or lower max_tokens",
-                param="max_tokens" if len(ids) < self.max_model_len else "prompt",
-            )
+        """Queue a request (expanded into n sequences); returns its id. Raises InvalidRequestError (and
+        then adds nothing)."""
+        ids = self.limits.check(self.encode_prompt(prompt), params)
         if request_id is None:
             request_id = f"req-{self._next_auto_id}"
             self._next_auto_id += 1
-        if request_id in self._groups:
+        if request_id in self._parents or request_id in self._assembled:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use", param="request_id")
-        sequence_ids = []
+        parent = ParentRequest(request_id, ids, params)
         for choice in range(params.n):
-            sequence_id = f"{request_id}-{choice}"
-            request = Request(sequence_id, ids, params, params.choice_seed(self.config.seed, choice))
-            self._states[sequence_id] = SequenceState(
-                request=request,
-                choice_index=choice,
-                decoder=self.tokenizer.incremental_decoder(),
-                eos_token_ids=self.tokenizer.eos_token_ids,
-                max_model_len=self.max_model_len,
+            text = SequenceState(
+                self.faults.decoder(self.tokenizer, ids), params.stop, params.include_stop_str_in_output
             )
-            self.scheduler.add(request)
-            sequence_ids.append(sequence_id)
-        self._groups[request_id] = sequence_ids
-        self._prompts[request_id] = ids
+            sequence = Request(
+                f"{request_id}-{choice}",
+                ids,
+                params,
+                params.choice_seed(self.config.seed, choice),
+                parent=parent,
+                choice_index=choice,
+                text=text,
+            )
+            self.scheduler.add(sequence)
+        self._parents[request_id] = parent
         return request_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks; unknown or finished ids are ignored."""
-        for sequence_id in self._groups.pop(request_id, []):
-            state = self._states.pop(sequence_id)
-            if not state.request.is_finished:
-                self.scheduler.abort(sequence_id)
-        self._prompts.pop(request_id, None)
+        parent = self._parents.pop(request_id, None)
+        if parent is not None:
+            for sequence in parent.sequences:
+                self.scheduler.abort(sequence.request_id)
+        self._assembled.pop(request_id, None)
 
     @property
     def has_unfinished(self) -> bool:
         """True while any added request still has work."""
         return self.scheduler.has_unfinished
 
-    def step(self, layer_hook: StepLayerHook | None = None) -> list[RequestOutput]:
-        """One engine step; returns the outputs of every request that changed (finished ones last seen)."""
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests added and not finished or aborted."""
+        return len(self._parents)
+
+    def step_deltas(self, layer_hook: StepLayerHook | None = None) -> list[RequestDelta]:
+        """One engine step (schedule -> execute -> update); returns a delta per request that changed."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        self.faults.before_step(self._steps_run)
+        self._steps_run += 1
         if self.record_trace:
             self.trace.append(plan)
         hook = None
@@ -173,21 +194,17 @@ class Engine:
             def hook(layer_index: int, hidden: torch.Tensor) -> None:
                 layer_hook(plan.step_id, layer_index, request_ids, rows, hidden)
 
-        logits = self.runner.execute(plan, hook)
-        self._collect_prompt_logprobs(plan.chunks, logits)
-        sampled = self._sample(plan.chunks, logits)
-        changed = self.scheduler.update(plan, {seq_id: token for seq_id, (token, _, _) in sampled.items()})
-        for request in changed:
-            token, logprob, top = sampled[request.request_id]
-            request.output_logprobs.append(logprob)
-            if request.params.logprobs is not None:
-                request.output_top_logprobs.append(top)
-            state = self._states[request.request_id]
-            status = state.on_token(token)
-            if status is not None:
-                self.scheduler.finish(request.request_id, status)
-                state.on_finish()
-        return self._outputs_for(sorted({self._request_of(r.request_id) for r in changed}))
+        output = self.runner.run(plan, self.scheduler.sequences, hook)
+        deltas = self.scheduler.update(plan, output)
+        for delta in deltas:
+            if delta.finished:
+                self._parents.pop(delta.request_id, None)
+        return deltas
+
+    def step(self, layer_hook: StepLayerHook | None = None) -> list[RequestOutput]:
+        """One engine step; returns the full output (so far) of every request that changed, in arrival
+        order. Outputs stay available until `release` (or `abort`)."""
+        return [self._fold(delta).output() for delta in self.step_deltas(layer_hook)]
 
     def generate(
         self,
@@ -203,10 +220,11 @@ class Engine:
             )
         request_ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params_list, strict=True)]
         while self.has_unfinished:
-            self.step(layer_hook)
-        outputs = self._outputs_for(request_ids)
+            for delta in self.step_deltas(layer_hook):
+                self._fold(delta)
+        outputs = [self._assembled[request_id].output() for request_id in request_ids]
         for request_id in request_ids:
-            self._release(request_id)
+            self.release(request_id)
         return outputs
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams) -> Iterator[RequestOutput]:
@@ -220,7 +238,7 @@ class Engine:
                         if output.finished:
                             return
         finally:
-            self.abort(request_id)
+            self.release(request_id)
 
     def flush_prefix_cache(self) -> int:
         """Drop every cached KV block no running request holds; returns how many were dropped."""
@@ -237,89 +255,16 @@ class Engine:
         }
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's bookkeeping (the server calls this after its last output)."""
-        self._release(request_id)
+        """Forget a request: abort it if it is unfinished, and drop its assembled output."""
+        self.abort(request_id)
 
-    def _release(self, request_id: str) -> None:
-        for sequence_id in self._groups.pop(request_id, []):
-            self._states.pop(sequence_id, None)
-        self._prompts.pop(request_id, None)
-
-    def _request_of(self, sequence_id: str) -> str:
-        return sequence_id.rsplit("-", 1)[0]
-
-    def _sample(
-        self, chunks: tuple[ScheduledChunk, ...], logits: list[torch.Tensor | None]
-    ) -> dict[str, tuple[int, float, list[tuple[int, float]]]]:
-        """Sample one token for every chunk that ends its known tokens; rows are independent."""
-        rows, requests = [], []
-        for chunk, chunk_logits in zip(chunks, logits, strict=True):
-            if chunk.sample and chunk_logits is not None:
-                rows.append(chunk_logits[-1])
-                requests.append(self._states[chunk.request_id].request)
-        if not rows:
-            return {}
-        result = sampler.sample(
-            sampler.as_batch(rows),
-            [r.params for r in requests],
-            [r.seed for r in requests],
-            [len(r.output_token_ids) for r in requests],
-            [r.all_token_ids for r in requests],
-            [r.output_token_ids for r in requests],
-        )
-        return {
-            request.request_id: (result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
-            for i, request in enumerate(requests)
-        }
-
-    def _collect_prompt_logprobs(
-        self, chunks: tuple[ScheduledChunk, ...], logits: list[torch.Tensor | None]
-    ) -> None:
-        """Logprob of each prompt token given the tokens before it, from chunks that asked for all rows."""
-        for chunk, chunk_logits in zip(chunks, logits, strict=True):
-            if not chunk.all_logits or chunk_logits is None:
-                continue
-            state = self._states[chunk.request_id]
-            request = state.request
-            k = request.params.prompt_logprobs or 0
-            if not state.prompt_logprobs:
-                state.prompt_logprobs.append(None)  # position 0 has no logprob
-                state.prompt_top_logprobs.append([])
-            prompt = request.prompt_token_ids
-            # Row r predicts prompt[start + r + 1]; keep the rows whose target is a prompt position not
-            # collected yet (a recompute after preemption covers positions already collected).
-            start = chunk.start_position
-            first_row = max(0, len(state.prompt_logprobs) - 1 - start)
-            end_row = min(len(chunk.token_ids), len(prompt) - 1 - start)
-            if first_row >= end_row:
-                continue
-            targets = prompt[start + first_row + 1 : start + end_row + 1]
-            values, tops = sampler.prompt_logprobs(chunk_logits[first_row:end_row], targets, k)
-            state.prompt_logprobs.extend(values)
-            state.prompt_top_logprobs.extend(tops)
-
-    def _outputs_for(self, request_ids: Sequence[str]) -> list[RequestOutput]:
-        outputs = []
-        for request_id in request_ids:
-            states = [self._states[s] for s in self._groups.get(request_id, [])]
-            if not states:
-                continue
-            first = states[0]
-            wants_prompt = first.request.params.prompt_logprobs is not None
-            outputs.append(
-                RequestOutput(
-                    request_id=request_id,
-                    prompt_token_ids=list(self._prompts[request_id]),
-                    outputs=[state.completion() for state in states],
-                    prompt_logprobs=list(first.prompt_logprobs) if wants_prompt else None,
-                    prompt_top_logprobs=[list(t) for t in first.prompt_top_logprobs]
-                    if wants_prompt
-                    else None,
-                    num_cached_tokens=first.request.num_cached_tokens,
-                    finished=all(state.request.is_finished for state in states),
-                )
-            )
-        return outputs
+    def _fold(self, delta: RequestDelta) -> OutputAssembler:
+        assembler = self._assembled.get(delta.request_id)
+        if assembler is None:
+            assembler = self._assembled[delta.request_id] = OutputAssembler(delta)
+        else:
+            assembler.add(delta)
+        return assembler
 
 
 def artifacts_digest(paths: Sequence[Path]) -> str:

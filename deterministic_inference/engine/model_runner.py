@@ -1,8 +1,15 @@
-"""Turns a `StepPlan` into model inputs, runs the model, and returns the logits rows the plan asks for."""
+"""Turns a `StepPlan` into model inputs, runs the model, and returns what the step computed.
+
+`execute` gives the logits rows the plan asks for; `run` (one engine step's model work) also samples
+them and returns a typed `ModelRunnerOutput`: the token sampled for each sequence, its logprobs, the
+newly scored prompt positions, and the sequences whose own sampling or scoring failed.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,6 +17,37 @@ from deterministic_inference.engine.kv_memory import lazy_kv_caches
 from deterministic_inference.engine.plan import StepPlan
 from deterministic_inference.model.llama import DecoderModel, LayerHook
 from deterministic_inference.ops.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from deterministic_inference.engine.request import Request
+    from deterministic_inference.engine.step_sampling import SampleFn
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """The token one sequence sampled in a step."""
+
+    token_id: int
+    logprob: float  # log_softmax of the raw fp32 logits at token_id
+    top_logprobs: list[tuple[int, float]]  # k best (token id, logprob); k = params.logprobs or 0
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Logprobs of prompt positions one chunk scored (for requests that asked for prompt logprobs)."""
+
+    first_position: int  # prompt position of values[0] (position p: logprob of prompt[p] given prompt[:p])
+    values: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step computed, by sequence id (the plan's `ScheduledChunk.request_id`)."""
+
+    sampled: dict[str, SampledToken] = field(default_factory=dict)  # chunks with `sample` that succeeded
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)  # sequence id -> request-scoped message
 
 
 @dataclass(frozen=True)
@@ -25,9 +63,12 @@ class StepInputs:
 class ModelRunner:
     """Owns the paged KV cache tensors and executes step plans on a `DecoderModel`."""
 
-    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, model: DecoderModel, num_blocks: int, block_size: int, sample_fn: SampleFn | None = None
+    ) -> None:
         spec = model.spec
         self.model = model
+        self.sample_fn = sample_fn  # None = sampler.sample (tests may wrap it to inject faults)
         self.block_size = block_size
         self.num_blocks = num_blocks
         dtype = model.numerics.dtype
@@ -56,6 +97,15 @@ class ModelRunner:
             meta=meta,
             row_offsets=tuple(offsets),
         )
+
+    def run(
+        self, plan: StepPlan, sequences: Mapping[str, Request], layer_hook: LayerHook | None = None
+    ) -> ModelRunnerOutput:
+        """One step's model work: the logits (`execute`), then the sampled tokens and prompt logprobs of
+        the plan's sequences (`step_sampling.sample_step`, which isolates per-sequence failures)."""
+        from deterministic_inference.engine.step_sampling import sample_step
+
+        return sample_step(plan, self.execute(plan, layer_hook), sequences, self.sample_fn)
 
     def execute(self, plan: StepPlan, layer_hook: LayerHook | None = None) -> list[torch.Tensor | None]:
         """Runs one step. Returns, per chunk in plan order, fp32 logits [rows, vocab] or None.

@@ -1,8 +1,9 @@
-"""One sequence the engine generates: prompt, sampling params, seed, status, outputs and KV block table.
+"""A user request (`ParentRequest`) and the sequences the engine generates for it (`Request`).
 
-The engine expands a request with n > 1 into n `Request`s with ids "<id>-<i>", each with its own seed
-(`SamplingParams.choice_seed`). The scheduler owns `arrival`, `status`, `num_computed_tokens`,
-`num_cached_tokens` and `block_ids`; the engine appends logprobs and sets `stop_reason`.
+A request with n choices is one `ParentRequest` holding n `Request`s (sequences), each with its own seed
+(`SamplingParams.choice_seed`). A sequence carries its parent and its choice index, so nothing parses
+them back out of ids. The scheduler owns a sequence's `arrival`, `status`, `num_computed_tokens`,
+`num_cached_tokens` and `block_ids`, and appends its output tokens in `Scheduler.update`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import enum
 
 from deterministic_inference.engine.sampling_params import SamplingParams
+from deterministic_inference.engine.sequence_state import SequenceState
 from deterministic_inference.errors import InvalidRequestError
 
 
@@ -22,15 +24,16 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # something raised for this sequence alone (its detokenization, its sampling)
 
     @property
     def is_finished(self) -> bool:
-        """True for the three finished statuses."""
+        """True for the finished statuses."""
         return self > RequestStatus.PREEMPTED
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI `finish_reason` ("stop", "length", "abort"), None while not finished."""
+        """OpenAI `finish_reason` ("stop", "length", "abort", "error"), None while not finished."""
         return _FINISH_REASONS.get(self)
 
 
@@ -38,28 +41,61 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
+class ParentRequest:
+    """One user request: its id, prompt and params, its sequences in choice order, and the prompt-side
+    results shared by them (prompt logprobs are a function of the prompt alone, so whichever sequence
+    computes a prompt position first provides it: the bits are the same for every sibling)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.sequences: list[Request] = []  # index = choice index
+        self.prompt_logprobs: list[float | None] = []  # per prompt position (None for position 0)
+        self.prompt_top_logprobs: list[list[tuple[int, float]]] = []
+        self.prompt_sent = False  # the prompt-side data went out in a delta
+        self.error: str | None = None  # request-scoped failure message, once one sequence failed
+
+    @property
+    def is_finished(self) -> bool:
+        """True once every sequence finished (stopped, length, aborted or failed)."""
+        return all(sequence.is_finished for sequence in self.sequences)
+
+
 class Request:
-    """One sequence: its prompt and params, and the generation state the scheduler and engine advance."""
+    """One sequence: its prompt and params, and the generation state the scheduler advances.
+
+    Without an explicit `parent`, the sequence is the only choice of a request with its own id."""
 
     def __init__(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        parent: ParentRequest | None = None,
+        choice_index: int = 0,
+        text: SequenceState | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError("prompt: must contain at least one token", param="prompt")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in prompt_token_ids):
             raise InvalidRequestError("prompt: token ids must be non-negative integers", param="prompt")
-        self.request_id = request_id
+        self.request_id = request_id  # the sequence id (unique in the engine)
+        self.parent = parent if parent is not None else ParentRequest(request_id, prompt_token_ids, params)
+        self.choice_index = choice_index
+        self.parent.sequences.append(self)
+        self.text = text  # detokenized text and stop strings; None = token-level stops only
         self.arrival = -1  # assigned by Scheduler.add: 0, 1, 2, ... (ties everywhere break by it)
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.seed = seed  # this sequence's sampling seed (already derived for n > 1)
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
-        self.output_logprobs: list[float] = []  # logprob of each chosen token (raw model logits)
-        self.output_top_logprobs: list[list[tuple[int, float]]] = []  # per step, when params.logprobs
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (prompt first, then outputs)
         self.block_ids: list[int] = []  # KV block table, owned by KVCacheManager
         self.num_cached_tokens = 0  # prefix-cache hit length at the last (re)admission
@@ -93,8 +129,8 @@ class Request:
 
     def reset_for_recompute(self) -> None:
         """Preempted: KV is gone (blocks already freed), so every known token, outputs included, is
-        recomputed like a prompt. Outputs and logprobs are kept; nothing is sampled again until all
-        known tokens are computed."""
+        recomputed like a prompt. Outputs are kept; nothing is sampled again until all known tokens are
+        computed."""
         self.block_ids = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0

@@ -23,10 +23,16 @@ its plan before the next `schedule()`.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping
+from types import MappingProxyType
 
+from deterministic_inference.engine.admission import check_fits
 from deterministic_inference.engine.kv_cache import KVCacheManager
+from deterministic_inference.engine.model_runner import ModelRunnerOutput
+from deterministic_inference.engine.outputs import RequestDelta
 from deterministic_inference.engine.plan import ScheduledChunk, StepPlan
 from deterministic_inference.engine.request import Request, RequestStatus
+from deterministic_inference.engine.update import StepUpdate
 from deterministic_inference.errors import ConfigError, InvalidRequestError
 
 
@@ -34,7 +40,12 @@ class Scheduler:
     """FCFS continuous batching with chunked prefill, prefix-cache reuse and preemption by recompute."""
 
     def __init__(
-        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -47,6 +58,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids  # end a sequence unless its params say ignore_eos
         self.step = 0  # id of the next plan; the engine's logical clock
         self._next_arrival = 0
         self._requests: dict[str, Request] = {}  # unfinished sequences by id (lookups only)
@@ -65,6 +77,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def sequences(self) -> Mapping[str, Request]:
+        """Unfinished sequences by id (read-only view)."""
+        return MappingProxyType(self._requests)
+
     def get(self, request_id: str) -> Request | None:
         """The unfinished sequence with this id, or None."""
         return self._requests.get(request_id)
@@ -76,22 +93,13 @@ class Scheduler:
             raise InvalidRequestError(
                 f"request_id: {request.request_id!r} is already queued", param="request_id"
             )
-        if request.num_prompt_tokens >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt: {request.num_prompt_tokens} tokens leave no room to generate within "
-                f"max_model_len {self.max_model_len}; shorten the prompt",
-                param="prompt",
-            )
-        # The last generated token's KV is never written, hence the - 1. Rejecting here guarantees that a
-        # sequence running alone always fits the pool, so preemption can never loop forever.
-        longest = min(request.num_prompt_tokens + request.params.max_tokens - 1, self.max_model_len)
-        if -(-longest // self.kv.block_size) > self.kv.num_blocks:
-            raise InvalidRequestError(
-                f"max_tokens: prompt + max_tokens ({longest} tokens of KV) exceed the KV pool "
-                f"({self.kv.num_blocks} blocks of {self.kv.block_size}); lower max_tokens or shorten the "
-                "prompt, or raise num_kv_blocks",
-                param="max_tokens",
-            )
+        check_fits(
+            request.num_prompt_tokens,
+            request.params.max_tokens,
+            self.max_model_len,
+            self.kv.block_size,
+            self.kv.num_blocks,
+        )
         request.arrival = self._next_arrival
         self._next_arrival += 1
         request.status = RequestStatus.WAITING
@@ -131,23 +139,21 @@ class Scheduler:
         self.step += 1
         return plan
 
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
-        """Apply a computed plan: advance each chunk's sequence, append the token sampled for chunks with
-        `sample`, register newly full KV blocks. Returns the sequences that got a token, in plan order.
-        Sequences finished or aborted since `schedule()` are skipped."""
-        changed = []
+    def update(self, plan: StepPlan, output: ModelRunnerOutput) -> list[RequestDelta]:
+        """Apply a computed plan: advance each chunk's sequence, store prompt logprobs, append the token
+        sampled for chunks with `sample`, register newly full KV blocks, check stops and finish (freeing
+        KV blocks). A sequence whose own sampling, scoring or detokenization failed finishes with
+        FINISHED_ERROR and its siblings are aborted; no other sequence is touched. Returns one delta per
+        request that changed, in plan order. Sequences finished or aborted since `schedule()` are
+        skipped."""
+        step = StepUpdate(self, output)
         for chunk in plan.chunks:
             request = self._requests.get(chunk.request_id)
             if request is None or request.num_computed_tokens != chunk.start_position:
                 continue
             request.num_computed_tokens += len(chunk.token_ids)
-            if chunk.sample:
-                if chunk.request_id not in sampled:
-                    raise KeyError(f"update: no sampled token for {chunk.request_id!r}, whose chunk samples")
-                request.output_token_ids.append(sampled[chunk.request_id])
-                changed.append(request)
-            self.kv.commit_full_blocks(request)
-        return changed
+            step.apply(request, chunk.sample)
+        return step.deltas()
 
     # -- internals -------------------------------------------------------------------------------
 

@@ -1,27 +1,32 @@
 """OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right HTTP status.
 
 Bad input is always a 4xx: malformed JSON and pydantic validation errors become 400 (not FastAPI's
-422), engine-side `InvalidRequestError`s become 400 naming the parameter, a full queue is 429 with
-Retry-After, an engine that is loading or stopping is 503. Only engine failures are 500.
+422), `InvalidRequestError`s become 400 naming the parameter, a full queue is 429 with Retry-After, an
+engine that is loading or shutting down is 503, and so is a dead engine (the process is exiting for its
+supervisor to restart it). 500 is for one request's own failure inside the engine or the handler. No
+message carries a traceback or a file path: those go to the server log.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from typing import Any, TypeVar
+from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from deterministic_inference.engine.async_engine import EngineNotReadyError, QueueFullError
+from deterministic_inference.engine.async_engine import (
+    EngineNotReadyError,
+    QueueFullError,
+    RequestFailedError,
+    ShutdownAbortError,
+)
 from deterministic_inference.errors import DetinfError, EngineDeadError, InvalidRequestError
 from deterministic_inference.server.formatting import json_response
 
-ModelT = TypeVar("ModelT", bound=BaseModel)
 logger = logging.getLogger("detinf.server")
 
 
@@ -68,12 +73,16 @@ def as_api_error(error: BaseException) -> APIError:
             code="queue_full",
             headers={"Retry-After": str(error.retry_after)},
         )
+    if isinstance(error, ShutdownAbortError):
+        return APIError(503, str(error), "service_unavailable", code="shutting_down")
     if isinstance(error, EngineNotReadyError):
         return APIError(
             503, str(error), "service_unavailable", code="engine_not_ready", headers={"Retry-After": "1"}
         )
     if isinstance(error, EngineDeadError):
-        return APIError(500, str(error), "server_error", code="engine_dead")
+        return APIError(503, str(error), "service_unavailable", code="engine_dead")
+    if isinstance(error, RequestFailedError):
+        return APIError(500, str(error), "server_error", code="request_failed")
     if isinstance(error, DetinfError):
         return APIError(400, str(error), code="invalid_request")
     logger.error("internal error while serving", exc_info=error)
@@ -82,41 +91,44 @@ def as_api_error(error: BaseException) -> APIError:
     )
 
 
+class InvalidBodyError(HTTPException):
+    """A request body that is not acceptable JSON; carries the APIError to answer. An HTTPException so
+    that FastAPI's body parsing lets it through unchanged."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.status, error.message)
+        self.api_error = error
+
+
 def validation_error(error: ValidationError | RequestValidationError) -> APIError:
     """400 naming the first offending field of a pydantic validation error."""
     details = error.errors()
     if not details:
         return APIError(400, "invalid request body")
     first = details[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(_field_path(loc)) or None
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"malformed JSON body: {first.get('msg')}", code="invalid_json")
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if not loc:  # the body as a whole
+        if first.get("type") == "missing":
+            return APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+        return APIError(400, "the request body must be a JSON object", code="invalid_json")
+    param = field_path(loc) or None
     where = f"{param}: " if param else ""
     return APIError(400, f"{where}{first.get('msg', 'invalid value')}", param=param, code="invalid_type")
 
 
-def _field_path(loc: list[str]) -> list[str]:
-    """Drop pydantic's union-branch labels ("str", "list[int]", "function-after[...]") from a loc."""
-    return [part for part in loc if not any(ch in part for ch in "[]()") and part not in _TYPE_LABELS]
+def field_path(loc: list[Any]) -> str:
+    """A pydantic loc as the request's field path ("messages[0].content"), without pydantic's
+    union-branch labels ("str", "list[int]", "function-after[...]")."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not any(ch in part for ch in "[]()") and part not in _TYPE_LABELS:
+            path += f".{part}" if path else part
+    return path
 
 
 _TYPE_LABELS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "tagged-union"}
-
-
-async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
-    """Read the JSON body and validate it (strict types); APIError 400 on malformed JSON or bad fields."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise APIError(400, f"malformed JSON body: {error}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as error:
-        raise validation_error(error) from None
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -131,6 +143,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return as_api_error(error).response()
 
     async def on_http(_: Request, error: Exception) -> Response:
+        if isinstance(error, InvalidBodyError):
+            return error.api_error.response()
         status = getattr(error, "status_code", 500)
         detail = getattr(error, "detail", "error")
         codes = {404: "not_found", 405: "method_not_allowed"}

@@ -29,6 +29,8 @@ KNOWN_PATHS = frozenset(
         "/v1/models",
         "/v1/completions",
         "/v1/chat/completions",
+        "/openapi.json",
+        "/docs",
     }
 )
 

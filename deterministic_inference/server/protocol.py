@@ -3,24 +3,44 @@
 Types are strict (a string where a number is expected is a 400, never coerced); unknown fields are
 ignored like the OpenAI API does, except the features this server does not implement (tools,
 structured output, images, audio, logit_bias...), which are a 400 naming the field. Value ranges are
-checked by `SamplingParams`, which names the offending parameter too.
+checked by `SamplingParams`, which names the offending parameter too. These models are the endpoints'
+FastAPI body parameters, so `/openapi.json` documents them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from deterministic_inference.engine.sampling_params import SamplingParams
+from deterministic_inference.engine.admission import MIN_TEMPERATURE, REPETITION_PENALTY_RANGE
+from deterministic_inference.engine.sampling_params import MAX_LOGPROBS, SEED_LIMIT, SamplingParams
 from deterministic_inference.server.errors import APIError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
 DEFAULT_GENERATE_MAX_TOKENS = 128  # SGLang's default max_new_tokens
+MAX_STOP_STRINGS = 16  # each stop string is searched after every token
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
+
+
+def _ranged(**schema: Any) -> Any:
+    """An optional field whose published JSON schema states the range the server enforces. Only the
+    schema says it here: `SamplingParams` (or the handler) checks the value and names the field."""
+    return Field(default=None, json_schema_extra=schema)
+
+
+_COUNT = {"minimum": 1}
+_TEMPERATURE = {"minimum": 0, "description": f"0 = greedy, else at least {MIN_TEMPERATURE}"}
+_REPETITION = {"minimum": REPETITION_PENALTY_RANGE[0], "maximum": REPETITION_PENALTY_RANGE[1]}
+_SEED = {"minimum": 0, "maximum": SEED_LIMIT - 1}
+_PENALTY = {"minimum": -2, "maximum": 2}
+_TOP = {"minimum": 0, "maximum": MAX_LOGPROBS}
+_STOP = {"maxItems": MAX_STOP_STRINGS, "minLength": 1, "items": {"minLength": 1}}
+_STOP_IDS = {"maxItems": MAX_STOP_TOKEN_IDS, "items": {"minimum": 0}}
 
 
 class StreamOptions(_Body):
@@ -33,18 +53,18 @@ class _SamplingFields(_Body):
     """Sampling fields shared by completions and chat (vLLM-style extras included)."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    n: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    max_tokens: int | None = _ranged(**_COUNT)
+    temperature: float | None = _ranged(**_TEMPERATURE)
+    top_p: float | None = _ranged(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = _ranged(minimum=-1)
+    min_p: float | None = _ranged(minimum=0, maximum=1)
+    seed: int | None = _ranged(**_SEED)
+    n: int | None = _ranged(**_COUNT)
+    stop: str | list[str] | None = _ranged(**_STOP)
+    stop_token_ids: list[int] | None = _ranged(**_STOP_IDS)
+    presence_penalty: float | None = _ranged(**_PENALTY)
+    frequency_penalty: float | None = _ranged(**_PENALTY)
+    repetition_penalty: float | None = _ranged(**_REPETITION)
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None
     stream: bool | None = None
@@ -61,7 +81,6 @@ class _SamplingFields(_Body):
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
         """Validated SamplingParams (InvalidRequestError names the field); OpenAI defaults for the rest."""
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=_default(self.n, 1),
             max_tokens=max_tokens,
@@ -73,8 +92,8 @@ class _SamplingFields(_Body):
             presence_penalty=_default(self.presence_penalty, 0.0),
             frequency_penalty=_default(self.frequency_penalty, 0.0),
             repetition_penalty=_default(self.repetition_penalty, 1.0),
-            stop=tuple(stop),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
+            stop=stop_strings(self.stop, "stop"),
+            stop_token_ids=stop_token_ids(self.stop_token_ids, "stop_token_ids"),
             ignore_eos=bool(self.ignore_eos),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             logprobs=logprobs,
@@ -90,11 +109,13 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        json_schema_extra={"minItems": 1, "items": {"minimum": 0, "minItems": 1}}
+    )
+    logprobs: int | None = _ranged(**_TOP)
     echo: bool | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = _ranged(**_COUNT)
 
     def reject_unsupported(self) -> None:
         super().reject_unsupported()
@@ -118,7 +139,7 @@ class CompletionRequest(_SamplingFields):
 class ChatMessage(_Body):
     """One chat message; content is text or a list of text parts."""
 
-    role: str
+    role: str = Field(json_schema_extra={"enum": ["system", "developer", "user", "assistant"]})
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None
@@ -131,10 +152,10 @@ _CHAT_ROLES = ("system", "developer", "user", "assistant")
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    max_completion_tokens: int | None = _ranged(**_COUNT)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _ranged(**_TOP)
     response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -204,30 +225,34 @@ def _message_text(index: int, content: str | list[dict[str, Any]] | None) -> str
 class GenerateSamplingParams(_Body):
     """SGLang `sampling_params` (the subset this engine implements)."""
 
-    max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    sampling_seed: int | None = None
-    n: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    max_new_tokens: int | None = _ranged(**_COUNT)
+    temperature: float | None = _ranged(**_TEMPERATURE)
+    top_p: float | None = _ranged(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = _ranged(minimum=-1)
+    min_p: float | None = _ranged(minimum=0, maximum=1)
+    sampling_seed: int | None = _ranged(**_SEED)
+    n: int | None = _ranged(**_COUNT)
+    stop: str | list[str] | None = _ranged(**_STOP)
+    stop_token_ids: list[int] | None = _ranged(**_STOP_IDS)
+    presence_penalty: float | None = _ranged(**_PENALTY)
+    frequency_penalty: float | None = _ranged(**_PENALTY)
+    repetition_penalty: float | None = _ranged(**_REPETITION)
     ignore_eos: bool | None = None
 
 
 class GenerateRequest(_Body):
-    """SGLang's native POST /generate."""
+    """SGLang's native POST /generate: exactly one of `text` and `input_ids`."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]}
+    )
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[int] | list[list[int]] | None = _ranged(items={"minimum": 0})
     sampling_params: GenerateSamplingParams | None = None
     stream: bool | None = None
     return_logprob: bool | None = None
-    top_logprobs_num: int | None = None
+    top_logprobs_num: int | None = _ranged(**_TOP)
 
     def prompts(self) -> tuple[list[str | list[int]], bool]:
         """(prompts, batched): from `text` or `input_ids`, exactly one of them."""
@@ -245,7 +270,6 @@ class GenerateRequest(_Body):
     def params(self) -> SamplingParams:
         """SamplingParams with SGLang's defaults (temperature 1, 128 new tokens)."""
         sp = self.sampling_params or GenerateSamplingParams()
-        stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
         return SamplingParams(
             n=_default(sp.n, 1),
             max_tokens=_default(sp.max_new_tokens, DEFAULT_GENERATE_MAX_TOKENS),
@@ -257,11 +281,33 @@ class GenerateRequest(_Body):
             presence_penalty=_default(sp.presence_penalty, 0.0),
             frequency_penalty=_default(sp.frequency_penalty, 0.0),
             repetition_penalty=_default(sp.repetition_penalty, 1.0),
-            stop=tuple(stop),
-            stop_token_ids=tuple(sp.stop_token_ids or ()),
+            stop=stop_strings(sp.stop, "sampling_params.stop"),
+            stop_token_ids=stop_token_ids(sp.stop_token_ids, "sampling_params.stop_token_ids"),
             ignore_eos=bool(sp.ignore_eos),
             logprobs=(self.top_logprobs_num or 0) if self.return_logprob else None,
         )
+
+
+def stop_strings(value: str | list[str] | None, param: str) -> tuple[str, ...]:
+    """The stop strings as a tuple; 400 when there are more than MAX_STOP_STRINGS."""
+    stops = (value,) if isinstance(value, str) else tuple(value or ())
+    if len(stops) > MAX_STOP_STRINGS:
+        raise APIError(
+            400, f"{param}: {len(stops)} stop strings; at most {MAX_STOP_STRINGS}", param=param,
+            code="invalid_value",
+        )
+    return stops
+
+
+def stop_token_ids(value: list[int] | None, param: str) -> tuple[int, ...]:
+    """The stop token ids as a tuple; 400 when there are more than MAX_STOP_TOKEN_IDS."""
+    ids = tuple(value or ())
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise APIError(
+            400, f"{param}: {len(ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}", param=param,
+            code="invalid_value",
+        )
+    return ids
 
 
 def unsupported(param: str, message: str | None = None) -> APIError:

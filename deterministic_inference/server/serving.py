@@ -1,4 +1,10 @@
-"""What every endpoint shares: engine access, model-name check, submission, disconnect handling.
+"""What every endpoint shares: engine access, model-name check, prompt preparation, submission,
+consuming the engine's deltas, disconnect handling.
+
+Admission: prompts are tokenized (chat templates rendered) here, on the event loop or, for long text,
+in a worker thread, and every prompt of a request is checked against the engine's limits before any
+of them is submitted: request content that cannot run is a 400 naming the field, and the engine thread
+only ever sees token ids that fit.
 
 Disconnects: a non-streaming handler races its work against the client's `http.disconnect`; a
 streaming one is cancelled (or fails to write) when the client goes. Either way the request streams
@@ -19,16 +25,18 @@ from starlette.requests import Request
 from deterministic_inference.engine.async_engine import (
     AsyncEngine,
     EngineInfo,
-    EngineNotReadyError,
     RequestStream,
+    encode_text,
+    fold,
 )
-from deterministic_inference.engine.outputs import RequestOutput
+from deterministic_inference.engine.outputs import OutputAssembler, RequestDelta, RequestOutput
 from deterministic_inference.engine.sampling_params import SamplingParams
-from deterministic_inference.errors import EngineDeadError
+from deterministic_inference.errors import EngineDeadError, InvalidRequestError
 from deterministic_inference.server.errors import APIError
 from deterministic_inference.server.metrics import ServerMetrics
 
 T = TypeVar("T")
+INLINE_TEXT_CHARS = 8192  # longer text is tokenized / rendered in a worker thread, off the event loop
 
 
 class ClientGone(Exception):
@@ -44,12 +52,8 @@ class ServingContext:
     served_model_name: str | None  # None = the loaded model's own name
 
     def info(self) -> EngineInfo:
-        """Facts about the ready engine; 503 while loading, 500 if it died."""
-        if self.engine.ready and self.engine.info is not None:
-            return self.engine.info
-        if self.engine.error is not None:
-            raise EngineDeadError(f"the engine is not running: {self.engine.error.splitlines()[0]}")
-        raise EngineNotReadyError(f"the engine is {self.engine.state.value}; retry when /healthz returns 200")
+        """Facts about the ready engine; 503 while loading, shutting down or after it died."""
+        return self.engine.check_ready()
 
     @property
     def model_name(self) -> str:
@@ -62,23 +66,75 @@ class ServingContext:
         """The served name; 404 when the request names another model."""
         name = self.model_name
         if requested is not None and requested != name:
+            shown = requested if len(requested) <= 100 else requested[:100] + "..."
             raise APIError(
                 404,
-                f"model {requested!r} does not exist; this server serves {name!r}",
+                f"model {shown!r} does not exist; this server serves {name!r}",
                 param="model",
                 code="model_not_found",
             )
         return name
 
+    async def encode(self, text: str, param: str) -> list[int]:
+        """Token ids of request text (400 naming `param` if the tokenizer refuses it)."""
+        tokenizer = self.info().tokenizer
+        if len(text) > INLINE_TEXT_CHARS:
+            return await asyncio.to_thread(encode_text, tokenizer, text, param)
+        return encode_text(tokenizer, text, param)
+
+    async def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a conversation through the model's chat template (400 on `messages` if the
+        template or the tokenizer refuses it)."""
+        tokenizer = self.info().tokenizer
+        size = sum(len(str(m.get("content", ""))) for m in messages)
+
+        def render() -> list[int]:
+            try:
+                text = tokenizer.apply_chat_template(messages)
+            except InvalidRequestError:
+                raise
+            except Exception as error:  # noqa: BLE001 - request content: a 400
+                raise InvalidRequestError(
+                    f"messages: the chat template cannot render them ({type(error).__name__})",
+                    param="messages",
+                ) from None
+            return encode_text(tokenizer, text, "messages")
+
+        if size > INLINE_TEXT_CHARS or len(messages) > 64:
+            return await asyncio.to_thread(render)
+        return render()
+
+    def check_capacity(self, num_prompts: int, n: int, prompt_param: str = "prompt") -> None:
+        """400 when a request holds more sequences (prompts x n) than the server can ever admit; call
+        before tokenizing its prompts."""
+        capacity = self.engine.capacity
+        if n > capacity:
+            raise InvalidRequestError(f"n: {n} exceeds the server's capacity of {capacity}", param="n")
+        if num_prompts * n > capacity:
+            raise InvalidRequestError(
+                f"{prompt_param}: {num_prompts} prompts x n={n} sequences exceed the server's capacity of "
+                f"{capacity}; send fewer at once",
+                param=prompt_param,
+            )
+
     async def submit(
-        self, prompts: Sequence[str | list[int]], params: SamplingParams, prefix: str
+        self,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        prefix: str,
+        prompt_param: str = "prompt",
+        max_tokens_param: str = "max_tokens",
     ) -> list[Tracked]:
-        """Submit one engine request per prompt; all accepted or none (the others are aborted)."""
+        """Check every prompt, then submit one engine request per prompt; all accepted or none (the
+        others are aborted)."""
+        info = self.info()
+        self.check_capacity(len(prompts), params.n, prompt_param)
+        checked = [info.limits.check(ids, params, prompt_param, max_tokens_param) for ids in prompts]
         tracked: list[Tracked] = []
         try:
-            for prompt in prompts:
+            for ids in checked:
                 request_id = self.engine.new_request_id(prefix)
-                stream = await self.engine.add(prompt, params, request_id)
+                stream = await self.engine.add(ids, params, request_id)
                 tracked.append(Tracked(stream, self.metrics, time.monotonic()))
         except BaseException:
             for item in tracked:
@@ -88,34 +144,35 @@ class ServingContext:
 
 
 class Tracked:
-    """A request stream plus its timing metrics (time to first token, latency, token counts)."""
+    """A request stream plus its timing metrics; assembles the full output from the deltas it passes on."""
 
     def __init__(self, stream: RequestStream, metrics: ServerMetrics, start: float) -> None:
         self.stream = stream
         self.metrics = metrics
         self.start = start
         self._first_token_seen = False
+        self.assembler: OutputAssembler | None = None  # the request so far (set from the first delta)
         self.final: RequestOutput | None = None
 
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """The stream's outputs (coalesced), recording metrics on the way."""
-        async for output in self.stream.outputs(coalesce=True):
-            if not self._first_token_seen and any(c.token_ids for c in output.outputs):
+    async def deltas(self) -> AsyncIterator[RequestDelta]:
+        """The stream's deltas (coalesced), folded into `assembler`, recording metrics on the way."""
+        async for delta in self.stream.deltas():
+            self.assembler = assembler = fold(self.assembler, delta)
+            if not self._first_token_seen and any(piece.token_ids for piece in delta.outputs):
                 self._first_token_seen = True
                 self.metrics.time_to_first_token.observe(time.monotonic() - self.start)
-            if output.finished:
-                self.final = output
-                generated = sum(len(c.token_ids) for c in output.outputs)
+            if delta.finished:
+                self.final = assembler.output()
                 self.metrics.observe_finished(
-                    len(output.prompt_token_ids), generated, time.monotonic() - self.start
+                    len(assembler.prompt.token_ids), assembler.num_generated, time.monotonic() - self.start
                 )
-            yield output
+            yield delta
 
     async def result(self) -> RequestOutput:
         """Wait for the finished output."""
-        async for _ in self.outputs():
+        async for _ in self.deltas():
             pass
-        if self.final is None:  # pragma: no cover - outputs() ends with a finished output or raises
+        if self.final is None:  # pragma: no cover - deltas() ends with a finished delta or raises
             raise EngineDeadError("request ended without a final output")
         return self.final
 
@@ -131,18 +188,18 @@ async def results(tracked: Sequence[Tracked]) -> list[RequestOutput]:
     return list(await asyncio.gather(*(item.result() for item in tracked)))
 
 
-async def merged(tracked: Sequence[Tracked]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(request index, output) from several streams as they arrive, until all finished."""
+async def merged(tracked: Sequence[Tracked]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """(request index, delta) from several streams as they arrive, until all finished."""
     if len(tracked) == 1:
-        async for output in tracked[0].outputs():
-            yield 0, output
+        async for delta in tracked[0].deltas():
+            yield 0, delta
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, RequestDelta | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, item: Tracked) -> None:
         try:
-            async for output in item.outputs():
-                queue.put_nowait((index, output))
+            async for delta in item.deltas():
+                queue.put_nowait((index, delta))
             queue.put_nowait((index, None))
         except Exception as error:  # forwarded to the consumer
             queue.put_nowait((index, error))

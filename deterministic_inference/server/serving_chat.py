@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: messages rendered with the model's chat template, then generated.
 
-The template is rendered and encoded on the event loop (the tokenizer is read-only and fast); the
-token ids go to the engine, so a chat request equals a completions request with the same ids.
+The template is rendered and encoded before admission (on the event loop, or in a worker thread for
+long conversations; the tokenizer is read-only); the token ids go to the engine, so a chat request
+equals a completions request with the same ids. Streaming sends the engine's deltas.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from deterministic_inference.engine.outputs import CompletionOutput, RequestOutput
+from deterministic_inference.engine.outputs import CompletionDelta, CompletionOutput, RequestOutput
 from deterministic_inference.errors import InvalidRequestError
 from deterministic_inference.model.tokenizer import Tokenizer
-from deterministic_inference.server.errors import as_api_error, parse_body
+from deterministic_inference.server.errors import as_api_error
 from deterministic_inference.server.formatting import (
     SSE_DONE,
     chat_logprobs_content,
@@ -34,13 +35,14 @@ from deterministic_inference.server.serving import (
 from deterministic_inference.server.serving_completions import SSE_HEADERS
 
 
-async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
+async def create_chat_completion(
+    ctx: ServingContext, body: ChatCompletionRequest, request: Request
+) -> Response:
     """Handle /v1/chat/completions (streaming or not)."""
-    body = await parse_body(request, ChatCompletionRequest)
     body.reject_unsupported()
     model = ctx.check_model(body.model)
     info = ctx.info()
-    prompt_ids = info.tokenizer.encode(info.tokenizer.apply_chat_template(body.template_messages()))
+    prompt_ids = await ctx.render_chat(body.template_messages())
     max_tokens = body.max_new_tokens()
     if max_tokens is None:
         max_tokens = info.max_model_len - len(prompt_ids)
@@ -51,7 +53,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
             )
     num_top = body.num_top_logprobs()
     params = body.sampling_params(max_tokens, num_top)
-    tracked = (await ctx.submit([prompt_ids], params, "chatcmpl"))[0]
+    tracked = (await ctx.submit([prompt_ids], params, "chatcmpl", prompt_param="messages"))[0]
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     view = _ChatView(info.tokenizer, num_top)
     if body.stream:
@@ -74,16 +76,12 @@ class _ChatView:
         self.tokenizer = tokenizer
         self.num_top = num_top  # None = no logprobs asked
 
-    def logprobs(self, choice: CompletionOutput, start: int, end: int) -> dict[str, Any] | None:
-        """`logprobs` of tokens [start, end), or None when not asked for."""
+    def logprobs(self, choice: CompletionOutput | CompletionDelta) -> dict[str, Any] | None:
+        """`logprobs` of a choice's (or a delta's) tokens, or None when not asked for."""
         if self.num_top is None:
             return None
         content = chat_logprobs_content(
-            self.tokenizer,
-            choice.token_ids[start:end],
-            choice.logprobs[start:end],
-            choice.top_logprobs[start:end],
-            self.num_top,
+            self.tokenizer, choice.token_ids, choice.logprobs, choice.top_logprobs, self.num_top
         )
         return {"content": content, "refusal": None}
 
@@ -92,7 +90,7 @@ class _ChatView:
         return {
             "index": choice.index,
             "message": {"role": "assistant", "content": choice.text, "refusal": None},
-            "logprobs": self.logprobs(choice, 0, len(choice.token_ids)),
+            "logprobs": self.logprobs(choice),
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
@@ -111,7 +109,7 @@ async def _stream(
     model: str,
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    sent: dict[int, tuple[int, int]] = {}  # choice index -> (text length, tokens) sent
+    started: set[int] = set()
     done: set[int] = set()
 
     def chunk(choices: list[dict[str, Any]]) -> str:
@@ -122,32 +120,32 @@ async def _stream(
         return sse_event(document)
 
     try:
-        async for output in tracked.outputs():
-            for choice in output.outputs:
-                if choice.index in done:
+        async for delta in tracked.deltas():
+            for piece in delta.outputs:
+                if piece.index in done:
                     continue
-                if choice.index not in sent:
-                    sent[choice.index] = (0, 0)
+                if piece.index not in started:
+                    started.add(piece.index)
                     role = {"role": "assistant", "content": ""}
                     yield chunk(
-                        [{"index": choice.index, "delta": role, "logprobs": None, "finish_reason": None}]
+                        [{"index": piece.index, "delta": role, "logprobs": None, "finish_reason": None}]
                     )
-                text_length, tokens = sent[choice.index]
-                if len(choice.text) > text_length or len(choice.token_ids) > tokens:
-                    delta = {"content": choice.text[text_length:]}
-                    logprobs = view.logprobs(choice, tokens, len(choice.token_ids))
-                    yield chunk(
-                        [{"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}]
-                    )
-                    sent[choice.index] = (len(choice.text), len(choice.token_ids))
-                if choice.finish_reason is not None:
-                    done.add(choice.index)
+                if piece.text or piece.token_ids:
+                    content = {
+                        "index": piece.index,
+                        "delta": {"content": piece.text},
+                        "logprobs": view.logprobs(piece),
+                        "finish_reason": None,
+                    }
+                    yield chunk([content])
+                if piece.finish_reason is not None:
+                    done.add(piece.index)
                     finish = {
-                        "index": choice.index,
+                        "index": piece.index,
                         "delta": {},
                         "logprobs": None,
-                        "finish_reason": choice.finish_reason,
-                        "stop_reason": choice.stop_reason,
+                        "finish_reason": piece.finish_reason,
+                        "stop_reason": piece.stop_reason,
                     }
                     yield chunk([finish])
         if include_usage and tracked.final is not None:

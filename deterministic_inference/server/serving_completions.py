@@ -1,7 +1,7 @@
 """POST /v1/completions: one engine request per prompt; choice index = prompt index * n + choice.
 
-Streaming sends, per choice, the text and tokens added since the previous chunk, so the concatenated
-stream equals the non-streamed response (same text, tokens and logprob bits).
+Streaming sends, per choice, the engine's deltas (text and tokens added since the previous chunk), so
+the concatenated stream equals the non-streamed response (same text, tokens and logprob bits).
 """
 
 from __future__ import annotations
@@ -13,9 +13,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from deterministic_inference.engine.outputs import CompletionOutput, RequestOutput
+from deterministic_inference.engine.outputs import (
+    CompletionDelta,
+    CompletionOutput,
+    PromptData,
+    RequestOutput,
+)
 from deterministic_inference.model.tokenizer import Tokenizer
-from deterministic_inference.server.errors import as_api_error, parse_body
+from deterministic_inference.server.errors import as_api_error
 from deterministic_inference.server.formatting import (
     SSE_DONE,
     completion_logprobs,
@@ -39,9 +44,8 @@ from deterministic_inference.server.serving import (
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def create_completion(ctx: ServingContext, request: Request) -> Response:
+async def create_completion(ctx: ServingContext, body: CompletionRequest, request: Request) -> Response:
     """Handle /v1/completions (streaming or not)."""
-    body = await parse_body(request, CompletionRequest)
     body.reject_unsupported()
     model = ctx.check_model(body.model)
     info = ctx.info()
@@ -51,7 +55,9 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     prompt_logprobs = body.logprobs if echo and body.logprobs is not None else None
     params = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs)
     prompts = body.prompts()
-    tracked = await ctx.submit(prompts, params, "cmpl")
+    ctx.check_capacity(len(prompts), params.n)
+    ids = [p if isinstance(p, list) else await ctx.encode(p, "prompt") for p in prompts]
+    tracked = await ctx.submit(ids, params, "cmpl")
     response_id = f"cmpl-{uuid.uuid4().hex}"
     view = _CompletionView(tokenizer, body, prompts, params.n)
     if body.stream:
@@ -91,26 +97,18 @@ class _CompletionView:
         prompt = self.prompts[index]
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
 
-    def prompt_logprobs(self, index: int, output: RequestOutput) -> dict[str, Any]:
+    def prompt_logprobs(self, prompt: PromptData | RequestOutput) -> dict[str, Any]:
         """Logprobs block of the echoed prompt tokens (first one None)."""
-        return completion_logprobs(
-            self.tokenizer,
-            output.prompt_token_ids,
-            list(output.prompt_logprobs or [None] * len(output.prompt_token_ids)),
-            output.prompt_top_logprobs,
-            0,
-        )
+        if isinstance(prompt, PromptData):
+            ids, values, tops = prompt.token_ids, prompt.logprobs, prompt.top_logprobs
+        else:
+            ids, values, tops = prompt.prompt_token_ids, prompt.prompt_logprobs, prompt.prompt_top_logprobs
+        return completion_logprobs(self.tokenizer, ids, list(values or [None] * len(ids)), tops, 0)
 
-    def tokens_logprobs(
-        self, choice: CompletionOutput, start: int, end: int, text_offset: int
-    ) -> dict[str, Any]:
-        """Logprobs block of generated tokens [start, end)."""
+    def tokens_logprobs(self, choice: CompletionOutput | CompletionDelta, text_offset: int) -> dict[str, Any]:
+        """Logprobs block of a choice's (or a delta's) generated tokens."""
         return completion_logprobs(
-            self.tokenizer,
-            choice.token_ids[start:end],
-            choice.logprobs[start:end],
-            choice.top_logprobs[start:end],
-            text_offset,
+            self.tokenizer, choice.token_ids, choice.logprobs, choice.top_logprobs, text_offset
         )
 
     def choice(self, index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
@@ -123,13 +121,10 @@ class _CompletionView:
             if self.logprobs is not None:
                 offset = len(prompt_text)
                 logprobs = merge_completion_logprobs(
-                    [
-                        self.prompt_logprobs(index, output),
-                        self.tokens_logprobs(choice, 0, len(choice.token_ids), offset),
-                    ]
+                    [self.prompt_logprobs(output), self.tokens_logprobs(choice, offset)]
                 )
         elif self.logprobs is not None:
-            logprobs = self.tokens_logprobs(choice, 0, len(choice.token_ids), 0)
+            logprobs = self.tokens_logprobs(choice, 0)
         return {
             "index": index * self.n + choice.index,
             "text": text,
@@ -151,9 +146,7 @@ class _ChoiceProgress:
     """What a streamed choice has sent so far."""
 
     def __init__(self) -> None:
-        self.text_length = 0
-        self.tokens = 0
-        self.text_offset = 0
+        self.text_offset = 0  # characters of the choice's text sent (echoed prompt included)
         self.started = False
         self.finished = False
 
@@ -164,13 +157,15 @@ async def _stream(
     include_usage = view.include_usage
     progress: dict[tuple[int, int], _ChoiceProgress] = {}
     try:
-        async for index, output in merged(tracked):
-            for choice in output.outputs:
-                state = progress.setdefault((index, choice.index), _ChoiceProgress())
-                piece = _delta(view, index, output, choice, state)
-                if piece is not None:
+        async for index, delta in merged(tracked):
+            assembler = tracked[index].assembler
+            assert assembler is not None  # set from the first delta, which carries the prompt
+            for piece in delta.outputs:
+                state = progress.setdefault((index, piece.index), _ChoiceProgress())
+                choice = _piece(view, index, assembler.prompt, piece, state)
+                if choice is not None:
                     chunk = response_meta(fingerprint, "text_completion", response_id, model)
-                    chunk["choices"] = [piece]
+                    chunk["choices"] = [choice]
                     if include_usage:
                         chunk["usage"] = None
                     yield sse_event(chunk)
@@ -186,10 +181,10 @@ async def _stream(
     yield SSE_DONE
 
 
-def _delta(
-    view: _CompletionView, index: int, output: RequestOutput, choice: CompletionOutput, state: _ChoiceProgress
+def _piece(
+    view: _CompletionView, index: int, prompt: PromptData, piece: CompletionDelta, state: _ChoiceProgress
 ) -> dict[str, Any] | None:
-    """The chunk choice for what is new in `choice`, or None if nothing is."""
+    """The chunk choice for one delta of one choice, or None if it holds nothing to send."""
     if state.finished:
         return None
     parts: list[dict[str, Any]] = []
@@ -198,23 +193,19 @@ def _delta(
         text = view.prompt_text(index)
         state.text_offset = len(text)
         if view.logprobs is not None:
-            parts.append(view.prompt_logprobs(index, output))
-    new_text = choice.text[state.text_length :]
-    new_tokens = len(choice.token_ids) - state.tokens
-    if not new_text and not new_tokens and not text and choice.finish_reason is None:
+            parts.append(view.prompt_logprobs(prompt))
+    if not piece.text and not piece.token_ids and not text and piece.finish_reason is None:
         return None
     state.started = True
-    if view.logprobs is not None and new_tokens:
-        parts.append(view.tokens_logprobs(choice, state.tokens, len(choice.token_ids), state.text_offset))
-    text += new_text
-    state.text_offset += sum(text_length(view.tokenizer, t) for t in choice.token_ids[state.tokens :])
-    state.text_length = len(choice.text)
-    state.tokens = len(choice.token_ids)
-    state.finished = choice.finish_reason is not None
+    if view.logprobs is not None and piece.token_ids:
+        parts.append(view.tokens_logprobs(piece, state.text_offset))
+    text += piece.text
+    state.text_offset += sum(text_length(view.tokenizer, t) for t in piece.token_ids)
+    state.finished = piece.finish_reason is not None
     return {
-        "index": index * view.n + choice.index,
+        "index": index * view.n + piece.index,
         "text": text,
         "logprobs": merge_completion_logprobs(parts) if parts else None,
-        "finish_reason": choice.finish_reason,
-        "stop_reason": choice.stop_reason if state.finished else None,
+        "finish_reason": piece.finish_reason,
+        "stop_reason": piece.stop_reason if state.finished else None,
     }

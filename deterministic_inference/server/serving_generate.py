@@ -1,7 +1,8 @@
 """SGLang-style POST /generate, for users migrating from SGLang (`sampling_params.sampling_seed`).
 
 One prompt (text or input_ids) with n == 1 answers one object; a batch or n > 1 answers a list (prompt
-major, choice minor). Streaming sends the cumulative object after each step, then `data: [DONE]`.
+major, choice minor). Streaming sends, for each choice the engine's delta changed, the choice's
+cumulative object (SGLang's format, built from the deltas folded so far), then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from deterministic_inference.engine.outputs import CompletionOutput, RequestOutput
-from deterministic_inference.server.errors import as_api_error, parse_body
+from deterministic_inference.engine.outputs import CompletionOutput
+from deterministic_inference.server.errors import as_api_error
 from deterministic_inference.server.formatting import SSE_DONE, finite, json_response, sse_event
 from deterministic_inference.server.protocol import GenerateRequest
 from deterministic_inference.server.serving import (
@@ -27,13 +28,15 @@ from deterministic_inference.server.serving import (
 from deterministic_inference.server.serving_completions import SSE_HEADERS
 
 
-async def generate(ctx: ServingContext, request: Request) -> Response:
+async def generate(ctx: ServingContext, body: GenerateRequest, request: Request) -> Response:
     """Handle /generate."""
-    body = await parse_body(request, GenerateRequest)
     prompts, batched = body.prompts()
     params = body.params()
     fingerprint = ctx.info().system_fingerprint
-    tracked = await ctx.submit(prompts, params, "gen")
+    param = "text" if body.text is not None else "input_ids"
+    ctx.check_capacity(len(prompts), params.n, param)
+    ids = [p if isinstance(p, list) else await ctx.encode(p, param) for p in prompts]
+    tracked = await ctx.submit(ids, params, "gen", param, "sampling_params.max_new_tokens")
     with_logprobs = bool(body.return_logprob)
     single = not batched and params.n == 1
     if body.stream:
@@ -44,7 +47,11 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
         outputs = await unless_disconnected(request, results(tracked))
     finally:
         close_all(tracked)
-    items = [_item(o, c, fingerprint, with_logprobs) for o in outputs for c in o.outputs]
+    items = [
+        _item(o.request_id, len(o.prompt_token_ids), o.num_cached_tokens, c, fingerprint, with_logprobs)
+        for o in outputs
+        for c in o.outputs
+    ]
     return json_response(items[0] if single else items)
 
 
@@ -57,14 +64,19 @@ def _finish_reason(choice: CompletionOutput) -> dict[str, Any] | None:
 
 
 def _item(
-    output: RequestOutput, choice: CompletionOutput, fingerprint: str, with_logprobs: bool
+    request_id: str,
+    prompt_tokens: int,
+    cached_tokens: int,
+    choice: CompletionOutput,
+    fingerprint: str,
+    with_logprobs: bool,
 ) -> dict[str, Any]:
     meta: dict[str, Any] = {
-        "id": f"{output.request_id}-{choice.index}",
+        "id": f"{request_id}-{choice.index}",
         "finish_reason": _finish_reason(choice),
-        "prompt_tokens": len(output.prompt_token_ids),
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": len(choice.token_ids),
-        "cached_tokens": output.num_cached_tokens,
+        "cached_tokens": cached_tokens,
         "system_fingerprint": fingerprint,
     }
     if with_logprobs:
@@ -84,10 +96,20 @@ def _item(
 
 async def _stream(tracked: list[Tracked], fingerprint: str, with_logprobs: bool) -> AsyncIterator[str]:
     try:
-        async for index, output in merged(tracked):
-            for choice in output.outputs:
-                item = _item(output, choice, fingerprint, with_logprobs)
-                item["index"] = index * len(output.outputs) + choice.index
+        async for index, delta in merged(tracked):
+            assembler = tracked[index].assembler
+            assert assembler is not None  # set from the first delta
+            for piece in delta.outputs:
+                choice = assembler.choices[piece.index]  # cumulative (SGLang streams whole objects)
+                item = _item(
+                    delta.request_id,
+                    len(assembler.prompt.token_ids),
+                    assembler.num_cached_tokens,
+                    choice,
+                    fingerprint,
+                    with_logprobs,
+                )
+                item["index"] = index * len(assembler.choices) + choice.index
                 yield sse_event(item)
     except Exception as error:  # the stream has started: report in-band
         yield sse_event(as_api_error(error).body())

@@ -16,13 +16,13 @@ def test_status_order_and_finish_reasons() -> None:
     assert RequestStatus.FINISHED_STOPPED.finish_reason == "stop"
     assert RequestStatus.FINISHED_LENGTH.finish_reason == "length"
     assert RequestStatus.FINISHED_ABORTED.finish_reason == "abort"
+    assert RequestStatus.FINISHED_ERROR.finish_reason == "error"
     assert all(s.is_finished for s in RequestStatus if s > RequestStatus.PREEMPTED)
 
 
 def test_tokens_and_recompute_keep_outputs() -> None:
     request = Request("r", [1, 2, 3], SamplingParams(), seed=5)
     request.output_token_ids += [9, 8]
-    request.output_logprobs += [-0.5, -1.0]
     request.num_computed_tokens = 4
     request.block_ids = [3, 4]
     request.num_cached_tokens = 2
@@ -32,7 +32,7 @@ def test_tokens_and_recompute_keep_outputs() -> None:
     request.reset_for_recompute()
     assert request.status == RequestStatus.PREEMPTED and not request.is_finished
     assert request.num_computed_tokens == 0 and request.block_ids == [] and request.num_cached_tokens == 0
-    assert request.output_token_ids == [9, 8] and request.output_logprobs == [-0.5, -1.0]
+    assert request.output_token_ids == [9, 8]
     assert request.num_preemptions == 1
 
 

@@ -1,8 +1,9 @@
 """Scheduler: token budget, chunked prefill, max_num_seqs, FCFS, preemption + recompute, prefix-cache skip.
 
-`Harness` stands in for the model runner and the engine's finishing logic with plain bookkeeping: it keeps
-what each KV slot holds and checks, before every chunk, that the sequence's cache holds exactly its known
-tokens for every earlier position (so prefix hits, eviction and recompute are checked for content).
+`Harness` stands in for the model runner with plain bookkeeping: it keeps what each KV slot holds and
+checks, before every chunk, that the sequence's cache holds exactly its known tokens for every earlier
+position (so prefix hits, eviction and recompute are checked for content). `Scheduler.update` appends its
+fake tokens and finishes sequences at max_tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import random
 import pytest
 
 from deterministic_inference.engine.kv_cache import KVCacheManager
+from deterministic_inference.engine.model_runner import ModelRunnerOutput, SampledToken
 from deterministic_inference.engine.plan import StepPlan
 from deterministic_inference.engine.request import Request, RequestStatus
 from deterministic_inference.engine.sampling_params import SamplingParams
@@ -50,7 +52,7 @@ class Harness:
         plan = self.scheduler.schedule()
         self.plans.append(plan)
         size = self.kv.block_size
-        sampled = {}
+        output = ModelRunnerOutput()
         for chunk in plan.chunks:
             request = self.requests[chunk.request_id]
             known = request.all_token_ids
@@ -63,10 +65,9 @@ class Harness:
                 self.slots[(chunk.block_ids[position // size], position % size)] = known[position]
             assert chunk.sample == (end == request.num_tokens)
             if chunk.sample:
-                sampled[chunk.request_id] = fake_token(chunk.request_id, len(request.output_token_ids))
-        for request in self.scheduler.update(plan, sampled):
-            if len(request.output_token_ids) == request.params.max_tokens:
-                self.scheduler.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
+                token = fake_token(chunk.request_id, len(request.output_token_ids))
+                output.sampled[chunk.request_id] = SampledToken(token, -1.0, [])
+        self.scheduler.update(plan, output)
         return plan
 
     def run(self, max_steps: int = 10_000) -> None:

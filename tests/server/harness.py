@@ -5,6 +5,7 @@ Every wait is bounded; servers stop by themselves when the context exits.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -12,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ import httpx
 import uvicorn
 
 from deterministic_inference.config import EngineConfig
+from deterministic_inference.engine.engine import Engine
 from deterministic_inference.server.app import ServerSettings, create_app
 from tests.tiny_models import TinyModel
 
@@ -68,9 +70,14 @@ def wait_healthy(
 
 
 @contextmanager
-def thread_server(config: EngineConfig, settings: ServerSettings | None = None) -> Iterator[RunningServer]:
-    """uvicorn + app in a background thread on a free loopback port."""
-    app = create_app(config, settings)
+def thread_server(
+    config: EngineConfig,
+    settings: ServerSettings | None = None,
+    engine_factory: Callable[[], Engine] | None = None,
+) -> Iterator[RunningServer]:
+    """uvicorn + app in a background thread on a free loopback port (`engine_factory`: e.g. an engine
+    with injected faults)."""
+    app = create_app(config, settings, engine_factory=engine_factory)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -104,25 +111,48 @@ def detinf_command() -> list[str]:
 
 @contextmanager
 def subprocess_server(
-    args: Sequence[str], env: dict[str, str] | None = None
+    args: Sequence[str], env: dict[str, str] | None = None, log: Path | None = None
 ) -> Iterator[tuple[RunningServer, subprocess.Popen[bytes]]]:
-    """`detinf serve ARGS --port P` in a subprocess; SIGTERM (then SIGKILL) when the context exits."""
+    """`detinf serve ARGS --port P` in a subprocess (its output into `log` when given); SIGTERM (then
+    SIGKILL) when the context exits."""
     port = free_port()
     command = [*detinf_command(), "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     full_env = {**os.environ, **(env or {})}
-    process = subprocess.Popen(command, env=full_env, cwd=Path(__file__).resolve().parents[2])
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base_url, process=process)
-        yield RunningServer(base_url, full_env.get("DETINF_API_KEY")), process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+    with contextlib.ExitStack() as stack:
+        output = stack.enter_context(open(log, "wb")) if log is not None else None
+        process = subprocess.Popen(
+            command, env=full_env, cwd=Path(__file__).resolve().parents[2], stdout=output, stderr=output
+        )
+        base_url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(base_url, process=process)
+            yield RunningServer(base_url, full_env.get("DETINF_API_KEY")), process
+        finally:
+            stop_process(process)
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the process if it still runs, SIGKILL it if it does not exit in 60 s."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def tiny_serve_args(tiny: TinyModel, *extra: str) -> list[str]:
+    """`detinf serve` arguments for the tiny model (small KV pool, the test model name)."""
+    return [
+        "--model",
+        str(tiny.path),
+        "--num-kv-blocks",
+        str(TINY_KV_BLOCKS),
+        "--served-model-name",
+        TINY_NAME,
+        *extra,
+    ]
 
 
 def metric(server: RunningServer, name: str) -> float:

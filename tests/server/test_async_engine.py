@@ -16,6 +16,7 @@ from deterministic_inference.engine.async_engine import (
     QueueFullError,
 )
 from deterministic_inference.engine.engine import Engine
+from deterministic_inference.engine.faults import FaultInjection
 from deterministic_inference.engine.outputs import RequestOutput
 from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.errors import EngineDeadError, InvalidRequestError, ModelLoadError
@@ -27,16 +28,9 @@ LONG = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
 TIMEOUT = 60.0
 
 
-class FailingEngine(Engine):
-    """A real engine whose step raises after `fail_after` steps (fault injection, not a mock)."""
-
-    fail_after = 3
-
-    def step(self, layer_hook: Any = None) -> list[RequestOutput]:
-        self.fail_after -= 1
-        if self.fail_after < 0:
-            raise RuntimeError("injected failure")
-        return super().step(layer_hook)
+def failing_engine(config: EngineConfig) -> Engine:
+    """A real engine whose fourth step raises (fault injection, not a mock)."""
+    return Engine(config, faults=FaultInjection(fail_step=3))
 
 
 def run(coro_factory: Callable[[], Any]) -> Any:
@@ -46,8 +40,10 @@ def run(coro_factory: Callable[[], Any]) -> Any:
     return asyncio.run(bounded())
 
 
-def make(config: EngineConfig, capacity: int = 8, engine_type: type[Engine] = Engine) -> AsyncEngine:
-    return AsyncEngine(lambda: engine_type(config), capacity)
+def make(
+    config: EngineConfig, capacity: int = 8, build: Callable[[EngineConfig], Engine] = Engine
+) -> AsyncEngine:
+    return AsyncEngine(lambda: build(config), capacity)
 
 
 async def collect(engine: AsyncEngine, prompt: str, params: SamplingParams) -> list[RequestOutput]:
@@ -91,8 +87,8 @@ def test_capacity_cancel_and_invalid_requests(tiny_llama_dir: TinyModel) -> None
                 await engine.add("Hello", GREEDY)
             with pytest.raises(InvalidRequestError):
                 await engine.add("Hello", SamplingParams(n=2))  # more sequences than the capacity
-            async for output in stream.outputs():
-                if output.outputs[0].token_ids:
+            async for delta in stream.deltas():
+                if delta.outputs and delta.outputs[0].token_ids:
                     break
             stream.close()  # abort mid-generation
             for _ in range(200):
@@ -113,7 +109,7 @@ def test_capacity_cancel_and_invalid_requests(tiny_llama_dir: TinyModel) -> None
 
 def test_engine_failure_fails_inflight_requests_without_hanging(tiny_llama_dir: TinyModel) -> None:
     async def main() -> AsyncEngine:
-        engine = make(tiny_config(tiny_llama_dir), engine_type=FailingEngine)
+        engine = make(tiny_config(tiny_llama_dir), build=failing_engine)
         engine.start()
         await engine.wait_ready(TIMEOUT)
         results = await asyncio.gather(
@@ -127,7 +123,8 @@ def test_engine_failure_fails_inflight_requests_without_hanging(tiny_llama_dir: 
 
     engine = run(main)
     assert engine.state is EngineState.FAILED
-    assert engine.error is not None and "injected failure" in engine.error
+    assert engine.error is not None and "injected engine fault" in engine.error
+    assert engine.public_error is not None and "InjectedFault" in engine.public_error
 
 
 def test_load_failure_is_reported(tmp_path: Any) -> None:
@@ -151,7 +148,7 @@ def test_load_failure_is_reported(tmp_path: Any) -> None:
 
 
 def test_stop_drains_inflight_requests(tiny_llama_dir: TinyModel) -> None:
-    async def main() -> tuple[list[RequestOutput], AsyncEngine]:
+    async def main() -> tuple[RequestOutput, AsyncEngine]:
         engine = make(tiny_config(tiny_llama_dir))
         engine.start()
         await engine.wait_ready(TIMEOUT)
@@ -160,10 +157,10 @@ def test_stop_drains_inflight_requests(tiny_llama_dir: TinyModel) -> None:
         await asyncio.sleep(0)
         with pytest.raises(EngineNotReadyError):
             await engine.add("Hello", GREEDY)  # no new requests while draining
-        outputs = [output async for output in stream.outputs()]
-        await stopping
-        return outputs, engine
+        output = await stream.result()
+        assert await stopping
+        return output, engine
 
-    outputs, engine = run(main)
-    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 20
+    output, engine = run(main)
+    assert output.finished and len(output.outputs[0].token_ids) == 20
     assert engine.state is EngineState.STOPPED

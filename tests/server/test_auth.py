@@ -66,3 +66,10 @@ def test_bearer_comparison() -> None:
     assert not bearer_matches(None, KEY)
     assert not bearer_matches(f"Bearer {KEY}x".encode(), KEY)
     assert not bearer_matches(b"Bearer", KEY)
+
+
+def test_published_schema_requires_the_key_and_declares_it(secured: RunningServer) -> None:
+    assert httpx.get(secured.base_url + "/openapi.json").status_code == 401
+    schema = httpx.get(secured.base_url + "/openapi.json", headers=secured.headers()).json()
+    assert schema["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    assert schema["security"] == [{"bearer": []}]

@@ -98,6 +98,12 @@ def prepare(manifest: Manifest, options: RunOptions, out: TextIO) -> Prepared:
                             "the locked "
                             f"{lock['dataset']['digest']}; restore the file or run `detinf lock` again")
     location = artifacts.locate_model(data["model"]["source"], manifest.base_dir)
+    locked_commit = lock["model"].get("commit")
+    if locked_commit is not None and location.commit != locked_commit:
+        raise WorkflowError(f"$.model.source.revision: {data['model']['source']['revision']} now resolves "
+                            f"to commit {location.commit} in the Hugging Face cache, the lock has "
+                            f"{locked_commit}; "
+                            "pin the locked commit as the revision or run `detinf lock` again")
     root = location.root
     locked_files = [root / entry["path"] for entry in lock["model"]["files"]] if root else []
     if options.verify_artifact_digests:

@@ -56,7 +56,10 @@ def _register_serve(subparsers: Any) -> None:
         "(default 30)",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="server log verbosity (stderr)",
     )
     add_engine_options(parser)
     parser.set_defaults(func=run_serve)

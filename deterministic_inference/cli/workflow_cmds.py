@@ -197,7 +197,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _bundle(subparsers: Any) -> None:
     parser = subparsers.add_parser("bundle", help="pack a run directory into a deterministic tar.gz")
-    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--run-dir", required=True, type=Path, help="run directory written by `detinf run`")
     parser.add_argument("--output", required=True, type=Path, help="bundle file (.tar.gz)")
     parser.set_defaults(func=cmd_bundle)
 
@@ -214,7 +214,8 @@ def cmd_bundle(args: argparse.Namespace) -> int:
 
 def _inspect(subparsers: Any) -> None:
     parser = subparsers.add_parser("inspect", help="summarise a manifest, lock, run dir or bundle")
-    parser.add_argument("--input", required=True, type=Path)
+    parser.add_argument("--input", required=True, type=Path,
+                        help="manifest, lock, run dir, bundle.json or .tar.gz")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(func=cmd_inspect)
 

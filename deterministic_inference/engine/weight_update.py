@@ -49,12 +49,10 @@ def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
     return "sha256:" + outer.hexdigest()
 
 
-def checked_weights(
-    weights: Mapping[str, object], spec: ModelSpec, dtype: torch.dtype, param: str
-) -> dict[str, torch.Tensor]:
-    """The weights as the engine computes them (`dtype`, contiguous) when they are exactly the set
-    `spec` needs (a tied model's lm_head.weight is ignored, as the loaders do); else InvalidRequestError
-    naming `param`, the first offending tensor and what was expected."""
+def check_weights(weights: Mapping[str, object], spec: ModelSpec, param: str) -> dict[str, torch.Tensor]:
+    """The weights `spec` needs, by name (a tied model's lm_head.weight is ignored, as the loaders do),
+    when they are exactly that set of floating-point tensors with the right shapes; else
+    InvalidRequestError naming `param`, the first offending tensor and what was expected."""
     expected = expected_shapes(spec)
     given = dict(weights)
     if spec.tie_word_embeddings:
@@ -75,7 +73,7 @@ def checked_weights(
             raise InvalidRequestError(
                 f"{param}: {name} has shape {tuple(tensor.shape)}, the served model needs {shape}", param
             )
-        checked[name] = tensor.detach().to(dtype).contiguous()
+        checked[name] = tensor
     return checked
 
 
@@ -108,7 +106,12 @@ def swap_weights(engine: Engine, weights: Mapping[str, torch.Tensor], param: str
             f"update_weights: {engine.num_unfinished_requests} requests are still in flight; let them "
             "finish (or abort them) before changing the weights"
         )
-    dense = checked_weights(weights, engine.spec, DTYPES[engine.dtype_name], param)
+    dtype = DTYPES[engine.dtype_name]
+    # as the engine computes them: its dtype, contiguous
+    dense = {
+        name: t.detach().to(dtype).contiguous()
+        for name, t in check_weights(weights, engine.spec, param).items()
+    }
     loaded = dataclasses.replace(engine.loaded, weights=dict(dense))
     model = build_model(loaded, engine.config, engine.dtype_name, engine.max_model_len)
     digest = weights_digest(dense)

@@ -44,6 +44,7 @@ import torch
 from deterministic_inference.engine.greedy_batch import RowResult, greedy_rows, plain_greedy
 from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.engine.seeded_batch import seeded_results
+from deterministic_inference.ops.logprobs import log_softmax_rows
 
 _M32 = 0xFFFFFFFF
 _LN2 = math.log(2.0)
@@ -145,9 +146,10 @@ def gumbel_at(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Ten
 
 
 def _row_logprobs(row: torch.Tensor) -> torch.Tensor:
-    """log_softmax of one raw logits row in fp32, on its own contiguous copy (shared by `sample` and
-    `prompt_logprobs`, so decode and prompt logprobs of the same logits are bitwise equal)."""
-    return torch.log_softmax(row.to(torch.float32).clone(), dim=0)
+    """log_softmax of one raw logits row [V] in fp32 through `ops.logprobs.log_softmax_rows` (shared by
+    `sample`, `prompt_logprobs`, the batched paths and the RL policy, so every logprob of the same logits
+    row has the same bits)."""
+    return log_softmax_rows(row.reshape(1, -1))[0]
 
 
 def _best(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,8 +3,8 @@
 Such a row's token is a Gumbel argmax over the survivors of top-k / top-p of logits / T, and every step
 `sampler._sample_row` takes for it has a row-exact batched form here (rows sharing (T, top_p, top-k)
 are processed together; `sampler.sample` groups them):
-  - raw logprobs: one `torch.log_softmax(block, dim=1)`, bitwise `sampler._row_logprobs` per row (as in
-    `greedy_batch`; torch's last-dim kernel reduces each row sequentially on its own);
+  - raw logprobs: one `ops.logprobs.log_softmax_rows(block)`, bitwise `sampler._row_logprobs` per row
+    (as in `greedy_batch`: it reduces each row on its own);
   - `block / T`: elementwise with the same Python scalar, so the same bits as `row / T`;
   - top-p probabilities: one `torch.softmax(scaled, dim=1)` (same kernel argument as log_softmax; tested
     bitwise against the per-row `torch.softmax(row, dim=0)`);
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from deterministic_inference.engine.greedy_batch import RowResult, best_rows, order_keys
 from deterministic_inference.engine.sampling_params import SamplingParams
+from deterministic_inference.ops.logprobs import log_softmax_rows
 
 # Columns per block of the candidate search: small blocks keep the upper set found near its needed size.
 WIDTH = 16
@@ -203,7 +204,7 @@ def seeded_rows(
     top-p (`params`; top-logprob counts `ks` per row): each row's (token, logprob, k best), bitwise what
     `sampler._sample_row` gives it, or None where a row must take the per-row path (non-finite maximum,
     NaN, or an inexact top-logprob search). `gumbel` is (`sampler._gumbel_argmax`, `sampler.gumbel_at`)."""
-    logprobs = torch.log_softmax(block, dim=1)  # [R, V], row r bitwise sampler._row_logprobs(block[r])
+    logprobs = log_softmax_rows(block)  # [R, V], row r bitwise sampler._row_logprobs(block[r])
     scaled = block / params.temperature  # [R, V], row r bitwise block[r] / T (same scalar op)
     usable = torch.isfinite(block.amax(dim=1)) & torch.isfinite(scaled.amax(dim=1))  # [R]; NaN propagates
     k = max(ks)

@@ -95,15 +95,21 @@ class DecoderLayer:
 class DecoderModel:
     """Embedding, decoder layers, final norm and the fp32 logits head of a Llama-family model.
 
-    The ops backend is chosen here, once, from `numerics` (`select_backend`)."""
+    The ops backend is chosen here, once, from `numerics` (`select_backend`); `ops` passes one built on
+    that choice instead (the RL policy's autograd wrapper around the same kernels, `rl/backend.py`)."""
 
     def __init__(
-        self, spec: ModelSpec, weights: Mapping[str, StoredWeight], numerics: Numerics, max_positions: int
+        self,
+        spec: ModelSpec,
+        weights: Mapping[str, StoredWeight],
+        numerics: Numerics,
+        max_positions: int,
+        ops: OpsBackend | None = None,
     ):
         self.spec = spec
         self.numerics = numerics
         # The compiled kernels in invariant mode (raises NativeBuildError without a compiler).
-        self.ops = select_backend(numerics)
+        self.ops = ops if ops is not None else select_backend(numerics)
         self.embed = self.ops.embedding(weights["model.embed_tokens.weight"])  # [vocab, hidden]
         self.layers = [DecoderLayer(spec, weights, i, self.ops) for i in range(spec.num_layers)]
         self.final_norm = dense(weights["model.norm.weight"], numerics.dtype)

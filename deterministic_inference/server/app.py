@@ -41,6 +41,7 @@ from deterministic_inference.server.serving import ServingContext, created_now
 from deterministic_inference.server.serving_chat import create_chat_completion
 from deterministic_inference.server.serving_completions import create_completion
 from deterministic_inference.server.serving_generate import generate
+from deterministic_inference.server.weights_route import add_weight_update
 
 DEFAULT_MAX_WAITING = 256
 STREAMED: dict[str, type[BaseModel]] = {  # path -> the model of each streamed event
@@ -107,6 +108,7 @@ def create_app(
     app.state.stopped_cleanly = False
     install_error_handlers(app)
     _add_routes(app, ctx)
+    add_weight_update(app, ctx)  # POST /update_weights and its gate (before the auth middleware)
     _publish_schema(app, secured=settings.api_key is not None)
     app.add_middleware(AuthMetricsMiddleware, api_key=settings.api_key, metrics=metrics)
     return app

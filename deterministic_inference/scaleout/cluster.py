@@ -19,7 +19,8 @@ NAMESPACE = "detinf"
 
 def connect(address: str | None, num_cpus: int) -> bool:
     """ray.init for `address` (None or "local": a new local instance on loopback). Returns True when this
-    call started a local instance (the caller shuts it down)."""
+    call connected (the caller disconnects; a local instance stops then), False when Ray was already
+    initialized in this process."""
     import ray
 
     if ray.is_initialized():
@@ -48,7 +49,7 @@ def connect(address: str | None, num_cpus: int) -> bool:
             f"{str(error).splitlines()[0] if str(error) else 'no detail'}); check the address "
             "(host:port of the head node's GCS) or omit it for a local instance"
         ) from None
-    return local
+    return True
 
 
 def disconnect() -> None:

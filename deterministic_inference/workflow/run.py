@@ -166,6 +166,8 @@ def _check_ray_options(options: RunOptions, backend: str, offline: bool) -> None
         if options.shards is not None:
             raise WorkflowError("--shards: needs --ray-address (ADDR, or `local` for a local Ray instance)")
         return
+    if options.shards is not None and options.shards < 1:
+        raise WorkflowError(f"--shards: {options.shards} must be >= 1")
     if backend == "openai_compatible":
         raise WorkflowError("--ray-address: shards run the embedded engine; drop --base-url (or the "
                             "manifest's openai_compatible backend) or drop --ray-address")
@@ -191,7 +193,7 @@ def _execute(backend: str, base_url: str | None, prepared: Prepared, options: Ru
         digests = [entry["digest"] for entry in prepared.lock["model"]["files"]]
         locked = (prepared.locked_files, digests if options.verify_artifact_digests else [])
         return run_sharded(data, prepared.location, prepared.requests, locked, options.ray_address,
-                           options.shards or DEFAULT_SHARDS, out)
+                           DEFAULT_SHARDS if options.shards is None else options.shards, out)
     from deterministic_inference.workflow.backend_engine import run_embedded
 
     return run_embedded(data, prepared.location, prepared.requests, prepared.locked_files)

@@ -174,6 +174,10 @@ def _run(subparsers: Any) -> None:
     parser.add_argument("--base-url", default=None, help="run against this OpenAI-compatible endpoint")
     parser.add_argument("--no-verify-artifact-digests", action="store_true",
                         help="skip hashing model files before loading (not recommended)")
+    parser.add_argument("--ray-address", default=None,
+                        help="split the requests over Ray actors on this cluster (host:port of its GCS, or "
+                        "`local` for a local instance on loopback); same run directory as one process")
+    parser.add_argument("--shards", type=int, default=None, help="with --ray-address: how many (default 2)")
     parser.set_defaults(func=cmd_run)
 
 
@@ -182,7 +186,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from deterministic_inference.workflow.run import RunOptions, run_manifest
 
     options = RunOptions(output_dir=args.output_dir, base_url=args.base_url,
-                         verify_artifact_digests=not args.no_verify_artifact_digests, lock_path=args.lock)
+                         verify_artifact_digests=not args.no_verify_artifact_digests, lock_path=args.lock,
+                         ray_address=args.ray_address, shards=args.shards)
     run_dir = run_manifest(args.config, options)
     print(f"wrote {run_dir}")
     return _golden_check(run_dir, args.config.parent)

@@ -114,22 +114,23 @@ def app_builder(args: dict[str, Any]) -> Any:
 
 
 def deploy(spec: ReplicatedSpec, host: str, port: int, ray_address: str | None) -> bool:
-    """Connect to Ray, start Serve's HTTP proxy on host:port and deploy; returns whether a local Ray
-    instance was started here."""
-    started_local = cluster.connect(ray_address, int(spec.replicas * spec.cpus_per_replica) + 1)
+    """Connect to Ray, start Serve's HTTP proxy on host:port and deploy; returns whether this call
+    connected to Ray (then `undeploy` disconnects)."""
+    connected = cluster.connect(ray_address, int(spec.replicas * spec.cpus_per_replica) + 1)
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
     serve.run(build_application(spec), name=APP_NAME, route_prefix="/")
-    return started_local
+    return connected
 
 
-def undeploy(started_local: bool) -> None:
-    """Delete the application; stop Serve when nothing else runs on it; disconnect."""
+def undeploy(connected: bool) -> None:
+    """Delete the application; stop Serve when nothing else runs on it; disconnect if `connected`."""
     try:
         serve.delete(APP_NAME)
-        if started_local or not serve.status().applications:
+        if not serve.status().applications:
             serve.shutdown()
     finally:
-        cluster.disconnect()
+        if connected:
+            cluster.disconnect()
 
 
 def wait_routable(base_url: str, timeout: float = READY_TIMEOUT) -> dict[str, Any]:
@@ -152,7 +153,7 @@ def run_replicated(spec: ReplicatedSpec, host: str, port: int, ray_address: str 
     """Deploy, report readiness, serve until SIGTERM/SIGINT, then undeploy (replicas get
     --shutdown-timeout seconds to finish in-flight requests). Exit code 0 after a clean stop."""
     stop = threading.Event()
-    started_local = deploy(spec, host, port, ray_address)
+    connected = deploy(spec, host, port, ray_address)
     try:
         def on_signal(signum: int, frame: Any) -> None:
             # Bounded: if Ray is gone (its processes got the signal too), undeploy could wait forever.
@@ -172,5 +173,5 @@ def run_replicated(spec: ReplicatedSpec, host: str, port: int, ray_address: str 
         print("detinf serve: shutting down the replicas", file=sys.stderr, flush=True)
         return 0
     finally:
-        undeploy(started_local)
+        undeploy(connected)
 

@@ -47,6 +47,10 @@ def stale_pages() -> list[Path]:
     return stale
 
 
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Regenerate the CLI, API and metrics reference pages.")
     parser.add_argument("--check", action="store_true", help="only report stale pages (exit 1 if any)")
@@ -54,12 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         stale = stale_pages()
         for path in stale:
-            print(f"{path.relative_to(REPO)}: stale; run .venv/bin/python docs/gen_reference.py")
+            print(f"{_shown(path)}: stale; run .venv/bin/python docs/gen_reference.py")
         return 1 if stale else 0
+    undocumented: list[str] = []
+    api_reference(undocumented)
+    for field in sorted(set(undocumented)):
+        print(f"note: {field} has no description (add one to docs/reference_fields.py)", file=sys.stderr)
     for path, render in PAGES.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(render(), encoding="utf-8")
-        print(f"wrote {path.relative_to(REPO)}")
+        print(f"wrote {_shown(path)}")
     return 0
 
 

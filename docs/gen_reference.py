@@ -1,10 +1,11 @@
 """Regenerate the generated pages of the documentation site (one command, from the repository root):
 
-    .venv/bin/python docs/gen_reference.py           # rewrite docs/reference/cli.md and api.md
+    .venv/bin/python docs/gen_reference.py           # rewrite docs/reference/cli.md, api.md, metrics.md
     .venv/bin/python docs/gen_reference.py --check   # exit 1 (naming the files) if they are stale
 
 - `docs/reference/cli.md` comes from the argparse definitions (`deterministic_inference.cli.main`), so a
   flag added, removed or re-described shows up here and nowhere else needs editing.
+- `docs/reference/metrics.md` comes from the server's metrics exposition (`server/metrics.py`).
 - `docs/reference/api.md` comes from the app's published OpenAPI document (`GET /openapi.json`), built
   without starting an engine (the schema does not depend on the model).
 
@@ -27,10 +28,12 @@ if str(DOCS) not in sys.path:
 
 from reference_api import api_reference  # noqa: E402
 from reference_cli import cli_reference  # noqa: E402
+from reference_metrics import metrics_reference  # noqa: E402
 
 PAGES = {
     DOCS / "reference" / "cli.md": cli_reference,
     DOCS / "reference" / "api.md": api_reference,
+    DOCS / "reference" / "metrics.md": metrics_reference,
 }
 
 
@@ -44,19 +47,27 @@ def stale_pages() -> list[Path]:
     return stale
 
 
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Regenerate the CLI and API reference pages.")
+    parser = argparse.ArgumentParser(description="Regenerate the CLI, API and metrics reference pages.")
     parser.add_argument("--check", action="store_true", help="only report stale pages (exit 1 if any)")
     args = parser.parse_args(argv)
     if args.check:
         stale = stale_pages()
         for path in stale:
-            print(f"{path.relative_to(REPO)}: stale; run .venv/bin/python docs/gen_reference.py")
+            print(f"{_shown(path)}: stale; run .venv/bin/python docs/gen_reference.py")
         return 1 if stale else 0
+    undocumented: list[str] = []
+    api_reference(undocumented)
+    for field in sorted(set(undocumented)):
+        print(f"note: {field} has no description (add one to docs/reference_fields.py)", file=sys.stderr)
     for path, render in PAGES.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(render(), encoding="utf-8")
-        print(f"wrote {path.relative_to(REPO)}")
+        print(f"wrote {_shown(path)}")
     return 0
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from markdown.extensions.toc import slugify
 from reference_cli import escape
+from reference_fields import field_doc
 
 HEADER = """# HTTP API reference
 
@@ -53,6 +54,8 @@ def _type(schema: dict[str, Any]) -> str:
 
 
 def _number(value: Any) -> str:
+    if isinstance(value, float) and abs(value) >= 2**53:  # beyond exact doubles: 2**63 - 1 prints so
+        return f"{value:.4g}"
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
@@ -60,8 +63,8 @@ CONSTRAINTS = (
     ("minimum", ">= {}"),
     ("exclusiveMinimum", "> {}"),
     ("maximum", "<= {}"),
-    ("minItems", "at least {} items"),
-    ("maxItems", "at most {} items"),
+    ("minItems", "at least {} item(s)"),
+    ("maxItems", "at most {} item(s)"),
     ("minLength", "not empty"),
 )
 
@@ -78,14 +81,17 @@ def _constraints(schema: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _properties_table(schema: dict[str, Any]) -> list[str]:
+def _properties_table(schema_name: str, schema: dict[str, Any], missing: list[str]) -> list[str]:
     properties = schema.get("properties", {})
     if not properties:
         return ["No fields."]
     required = set(schema.get("required", ()))
     rows = ["| field | type | range | required | description |", "|---|---|---|---|---|"]
     for name, prop in properties.items():
-        description = escape(prop.get("description", ""))
+        text = prop.get("description") or field_doc(schema_name, name)
+        if text is None:
+            missing.append(f"{schema_name}.{name}")
+        description = escape(text or "")
         flag = "yes" if name in required else ""
         rows.append(f"| `{name}` | {_type(prop)} | {_constraints(prop)} | {flag} | {description} |")
     return rows
@@ -122,7 +128,9 @@ def _stream_events(operation: dict[str, Any]) -> list[str]:
     ]
 
 
-def _operation(path: str, method: str, operation: dict[str, Any], schemas: dict[str, Any]) -> list[str]:
+def _operation(
+    path: str, method: str, operation: dict[str, Any], schemas: dict[str, Any], missing: list[str]
+) -> list[str]:
     lines = ["", f"## `{method.upper()} {path}`", ""]
     tags = ", ".join(operation.get("tags", []))
     description = operation.get("description") or operation.get("summary", "")
@@ -132,7 +140,7 @@ def _operation(path: str, method: str, operation: dict[str, Any], schemas: dict[
         schema = body["content"]["application/json"]["schema"]
         name = _ref_name(schema["$ref"])
         lines += [f"Request body: JSON object {_type(schema)}.", ""]
-        lines += _properties_table(schemas[name]) + [""]
+        lines += _properties_table(name, schemas[name], missing) + [""]
     lines += ["Responses:", ""] + _responses(operation) + _stream_events(operation)
     return lines
 
@@ -145,8 +153,9 @@ def openapi_document() -> dict[str, Any]:
     return create_app(EngineConfig()).openapi()
 
 
-def api_reference() -> str:
-    """The whole page."""
+def api_reference(missing: list[str] | None = None) -> str:
+    """The whole page; `missing` collects the fields that have no description."""
+    missing = [] if missing is None else missing
     document = openapi_document()
     schemas = document.get("components", {}).get("schemas", {})
     lines = [HEADER.rstrip("\n"), ""]
@@ -160,11 +169,11 @@ def api_reference() -> str:
             lines.append(f"| [`{method.upper()} {path}`](#{anchor}) | {text} |")
     for path, methods in sorted(document["paths"].items()):
         for method, operation in methods.items():
-            lines += _operation(path, method, operation, schemas)
+            lines += _operation(path, method, operation, schemas, missing)
     lines += ["", "## Schemas", "", "The objects named above, in alphabetical order."]
     for name, schema in sorted(schemas.items()):
         lines += ["", f"### {name}", ""]
         if schema.get("description"):
             lines += [escape(schema["description"]), ""]
-        lines += _properties_table(schema)
+        lines += _properties_table(name, schema, missing)
     return "\n".join(lines).rstrip("\n") + "\n"

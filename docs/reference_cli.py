@@ -25,12 +25,24 @@ naming the field and the fix); `verify`, `selfcheck` and `audit` use `1` for a n
 for an engine that failed (see [Operations](../operations/index.md)).
 
 """
-MARKDOWN_SPECIALS = "\\`*_[]<>|#"
+MARKDOWN_SPECIALS = "\\*_[]<>|#"
 
 
 def escape(text: str) -> str:
-    """Text safe inside a Markdown table cell (no emphasis, no HTML tags, no column breaks)."""
-    return "".join(f"\\{ch}" if ch in MARKDOWN_SPECIALS else ch for ch in " ".join(text.split()))
+    """Text safe inside a Markdown table cell: no emphasis, no HTML tags, no column breaks. Code spans
+    (`...`) stay code spans (only their `|` is escaped); an unpaired backtick is escaped."""
+    text = " ".join(text.split())
+    parts = text.split("`")
+    if len(parts) % 2 == 0:
+        return _escape_plain(text, MARKDOWN_SPECIALS + "`")
+    return "".join(
+        "`" + part.replace("|", "\\|") + "`" if index % 2 else _escape_plain(part, MARKDOWN_SPECIALS)
+        for index, part in enumerate(parts)
+    )
+
+
+def _escape_plain(text: str, specials: str) -> str:
+    return "".join(f"\\{ch}" if ch in specials else ch for ch in text)
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:

@@ -57,13 +57,17 @@ class ServerPool:
     """`detinf serve` processes keyed by the command a page shows."""
 
     logs: Path
-    servers: dict[str, tuple[int, subprocess.Popen[bytes]]] = field(default_factory=dict)
+    servers: dict[tuple[str, str], tuple[int, subprocess.Popen[bytes]]] = field(default_factory=dict)
 
-    def port_for(self, example: Example) -> int:
-        """Start (or reuse) the server of this `detinf serve` example; its port."""
+    def port_for(self, example: Example, workdir: Path) -> int:
+        """Start (or reuse) the server of this `detinf serve` example, run in `workdir` (relative paths
+        such as `--config m.json` are the page's files); its port. A command that reads no file of the
+        page (no `--config`) is shared by every page that shows it."""
         command = example.code.strip()
-        if command in self.servers:
-            port, process = self.servers[command]
+        cwd = workdir if "--config" in command else REPO
+        key = (command, str(cwd))
+        if key in self.servers:
+            port, process = self.servers[key]
             if process.poll() is None:
                 return port
         if not command.startswith("detinf serve") or "\n" in command:
@@ -78,24 +82,26 @@ class ServerPool:
         with open(log, "wb") as out:
             process = subprocess.Popen(
                 [sys.executable, "-m", "deterministic_inference", *argv[1:]],
-                env=example_env(), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                env=example_env(), cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
-        self.servers[command] = (port, process)
+        self.servers[key] = (port, process)
         _wait_healthy(port, process, log)
         return port
 
-    def stop_all(self) -> None:
-        """SIGTERM every server, SIGKILL what does not exit within a minute."""
-        for _, process in self.servers.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for _, process in self.servers.values():
+    def stop_all(self, workdir: Path | None = None) -> None:
+        """SIGTERM every server (or those running in `workdir`), SIGKILL what does not exit within a
+        minute."""
+        keys = [key for key in self.servers if workdir is None or key[1] == str(workdir)]
+        for key in keys:
+            if self.servers[key][1].poll() is None:
+                self.servers[key][1].send_signal(signal.SIGTERM)
+        for key in keys:
+            _, process = self.servers.pop(key)
             try:
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=10)
-        self.servers.clear()
 
 
 def _wait_healthy(port: int, process: subprocess.Popen[bytes], log: Path) -> None:
@@ -166,7 +172,15 @@ def check_example(example: Example, outcome: Outcome) -> str | None:
 
 def run_pages(examples: list[Example], workdir: Path, pool: ServerPool) -> list[str]:
     """Run a group of pages' examples in order in `workdir`; the failures (empty when all passed).
-    A failure stops the group (later examples may depend on the failed one's files)."""
+    A failure stops the group (later examples may depend on the failed one's files). Servers started
+    in `workdir` are stopped at the end."""
+    try:
+        return _run_in_order(examples, workdir, pool)
+    finally:
+        pool.stop_all(workdir)
+
+
+def _run_in_order(examples: list[Example], workdir: Path, pool: ServerPool) -> list[str]:
     port: int | None = None
     page = None
     for example in examples:
@@ -175,7 +189,7 @@ def run_pages(examples: list[Example], workdir: Path, pool: ServerPool) -> list[
         if example.skip is not None:
             continue
         if example.server:
-            port = pool.port_for(example)
+            port = pool.port_for(example, workdir)
             continue
         if port is None and _ADDRESS.search(example.code):
             return [f"{example.where}: talks to port {DOCS_PORT} but the page started no server before it"]

@@ -1,6 +1,7 @@
 """Trainer logprobs == sampler logprobs, bit for bit (tiny random Llama; bf16 and fp32).
 
-The engine samples seeded T=1.0 completions of 16 mixed prompts in batches of 1, 2, 5 and 8, with chunked
+The engine samples seeded T=1.0 completions of 16 mixed prompts in batches of 1, 2, 5 and 8, then all 16
+again in one batch (other seeds), with chunked
 prefill (a 24-token step budget splits the longer prompts) and prefix-cache hits (a shared 33-token
 prefix warmed first). The policy then scores the same sequences grouped and padded differently: all at
 once, one at a time, in reversed groups of 3, and as left- and right-padded [B, L] batches. Every logprob
@@ -39,6 +40,7 @@ def sampled(request: pytest.FixtureRequest, tiny_llama_dir: TinyModel) -> tuple[
     for size in GROUPS:
         start = len(results)
         results.extend(sample(engine, prompts[start : start + size], first_seed=start))
+    results.extend(sample(engine, prompts, first_seed=len(prompts)))  # a batch of 16
     return engine, results
 
 

@@ -144,6 +144,16 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         """Drop every prefix-cache block no running request holds."""
         return await _guarded(_flush_cache(ctx))
 
+    @app.post(
+        "/reset_prefix_cache",
+        response_model=schemas.FlushResult,
+        responses=schemas.error_responses(401, 503),
+        tags=["admin"],
+    )
+    async def reset_prefix_cache() -> Response:
+        """vLLM's name for /flush_cache: drop every prefix-cache block no running request holds."""
+        return await _guarded(_flush_cache(ctx))
+
     @app.get(
         "/healthz", response_model=schemas.Health, responses={503: {"model": schemas.Health}}, tags=["admin"]
     )

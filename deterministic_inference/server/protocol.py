@@ -114,6 +114,8 @@ class CompletionRequest(_SamplingFields):
     )
     logprobs: int | None = _ranged(**_TOP)
     echo: bool | None = None
+    prompt_logprobs: int | None = _ranged(**_TOP)  # vLLM: per prompt token, the token and the top k
+    return_token_ids: bool | None = None  # vLLM: choices carry prompt_token_ids and token_ids
     suffix: str | None = None
     best_of: int | None = _ranged(**_COUNT)
 

@@ -29,6 +29,7 @@ def test_every_endpoint_documents_its_request_and_responses(tiny_server: Running
         "/generate",
         "/v1/models",
         "/flush_cache",
+        "/reset_prefix_cache",
         "/healthz",
         "/metrics",
     }

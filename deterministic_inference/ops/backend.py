@@ -21,11 +21,14 @@ import torch.nn.functional as F
 
 from deterministic_inference.ops.attention import AttentionMetadata, paged_attention, write_kv
 from deterministic_inference.ops.linear import Linear, LinearWeight
+from deterministic_inference.ops.moe import combine_native, combine_torch, route_native, route_torch
 from deterministic_inference.ops.native import NativeKernels, native_kernels
 from deterministic_inference.ops.norm import rms_norm
 from deterministic_inference.ops.rope import RotaryTable
 from deterministic_inference.ops.weights import Embedding, StoredWeight, dense
 
+# A shared expert's output rows [T, H] (model dtype) and its gate logits [T] fp32
+SharedExpert = tuple[torch.Tensor, torch.Tensor]
 # One layer's paged cache: (keys [blocks, KVH, D, block_size], values [blocks, KVH, block_size, D])
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -87,6 +90,18 @@ class OpsBackend(Protocol):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]."""
+        ...
+
+    def moe_route(self, logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [T, E] fp32 -> (top-k expert ids [T, k] int64 ascending, weights [T, k] fp32);
+        `normalize`: softmax over the chosen experts (else their full-softmax probabilities)."""
+        ...
+
+    def moe_combine(
+        self, y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, shared: SharedExpert | None
+    ) -> torch.Tensor:
+        """Expert rows y [R, H], each token's slot rows [T, k] and weights [T, k] -> [T, H]: the weighted
+        rows summed in slot order (+ the sigmoid-gated shared expert)."""
         ...
 
 
@@ -154,6 +169,16 @@ class NativeBackend:
         """Elementwise in fp32 with the kernels' own exp: each element a function of its inputs only."""
         return self.kernels.silu_mul(gate_up)
 
+    def moe_route(self, logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compiled router: per token, from its own logits only (ties to the lower expert index)."""
+        return route_native(self.kernels, logits, k, normalize)
+
+    def moe_combine(
+        self, y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, shared: SharedExpert | None
+    ) -> torch.Tensor:
+        """The compiled sum: per token, fp32 in slot order, one rounding (csrc/moe.c)."""
+        return combine_native(self.kernels, y, rows, weights, shared)
+
 
 class TorchBackend:
     """`batch_invariant=False`: plain torch ops (not reproducible across batches). Quantized weights are
@@ -219,6 +244,14 @@ class TorchBackend:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         inter = gate_up.shape[1] // 2
         return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+    def moe_route(self, logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return route_torch(logits, k, normalize)
+
+    def moe_combine(
+        self, y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, shared: SharedExpert | None
+    ) -> torch.Tensor:
+        return combine_torch(y, rows, weights, shared)
 
 
 def split_heads(

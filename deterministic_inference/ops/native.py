@@ -34,7 +34,10 @@ _QUANT = ("act", "unpack", "unpack512", "gemv512", "kernels", "kernels256", "gem
 QUANT_SOURCES = tuple(_CSRC / f"quant_{name}.c" for name in _QUANT)
 # portable numerics (ops/portable.py): the sampler's arithmetic, rotary tables, the fp32 GEMM
 PORTABLE_SOURCES = (_CSRC / "sampling.c", _CSRC / "rotary_tables.c", _CSRC / "gemm_f32.c")
-SOURCES = (_CSRC / "attention.c", _CSRC / "rowwise.c", _CSRC / "gemm.c", *QUANT_SOURCES, *PORTABLE_SOURCES)
+SOURCES = (  # compiled together
+    _CSRC / "attention.c", _CSRC / "rowwise.c", _CSRC / "gemm.c", _CSRC / "moe.c", *QUANT_SOURCES,
+    *PORTABLE_SOURCES,
+)  # fmt: skip
 # included; part of the digest
 HEADERS = (_CSRC / "common.h", _CSRC / "quant.h", _CSRC / "quant512.h", _CSRC / "portable_math.h")
 # -fopenmp: rows are shared out between OpenMP threads. torch is imported first and has loaded its own

@@ -31,8 +31,9 @@ Order of operations per row (documented choice, vLLM/HF semantics):
 
 Logprobs are "raw": log_softmax of the model's fp32 logits row, BEFORE penalties, temperature and
 filters (vLLM's "raw_logprobs"), always through `ops.portable.log_softmax_rows`, the one function that
-turns logits into logprobs (a trainer's forward pass calls it too, through the ops backend). Decode logprobs therefore equal, bitwise, the prompt logprobs of the same
-sequence scored in one prefill (`prompt_logprobs` uses the same row function): the RL contract.
+turns logits into logprobs (a trainer's forward pass calls it too, through the ops backend). Decode
+logprobs therefore equal, bitwise, the prompt logprobs of the same sequence scored in one prefill
+(`prompt_logprobs` uses the same row function): the RL contract.
 
 Plain greedy rows take a batched path (`greedy_batch`), and seeded rows without penalties or min-p
 another (`seeded_batch`); both give every row the same bits as `_sample_row`, and rows they cannot prove

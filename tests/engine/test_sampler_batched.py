@@ -17,8 +17,8 @@ import torch
 
 from deterministic_inference.engine import greedy_batch, sampler
 from deterministic_inference.engine.sampling_params import SamplingParams
-from deterministic_inference.ops.selfcheck import torch_threads
 from deterministic_inference.ops.portable import log_softmax_rows
+from deterministic_inference.ops.selfcheck import torch_threads
 
 THREADS = [1, 2]
 INF = float("inf")

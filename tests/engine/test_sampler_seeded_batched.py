@@ -16,8 +16,8 @@ import torch
 
 from deterministic_inference.engine import sampler, seeded_batch
 from deterministic_inference.engine.sampling_params import SamplingParams
-from deterministic_inference.ops.selfcheck import torch_threads
 from deterministic_inference.ops.portable import cumsum_rows, softmax_rows
+from deterministic_inference.ops.selfcheck import torch_threads
 
 THREADS = [1, 2]
 INF = float("inf")

@@ -125,7 +125,7 @@ class DecoderModel:
         head = weights["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
         # Logits in fp32 whatever the model dtype: fp32 sums of the model-dtype weight and hidden state.
         self.lm_head = self.ops.logits_head(head)
-        self.rotary = RotaryTable(spec.head_dim, spec.rope_theta, max_positions, spec.rope_scaling)
+        self.rotary = self.ops.rotary_table(spec.head_dim, spec.rope_theta, max_positions, spec.rope_scaling)
         # tensor name -> the format the model computes it in (the fingerprint's numerics); the head has
         # its own entry when tied (the embedding table read by the logits GEMM)
         formats = {"model.embed_tokens.weight": self.embed.format, "lm_head.weight": self.lm_head.formats[0]}

@@ -74,11 +74,15 @@ def test_elementary_functions_same_bits_across_builds(
     kernels: NativeKernels, portable_builds: dict[str, NativeKernels]
 ) -> None:
     grid = [x / 7.0 for x in range(-6000, 6000, 7)]
+
     def values(k: NativeKernels) -> list[float]:
         lib = k.library
-        return [f(x) for x in grid for f in (lib.detinf_test_expf, lib.detinf_test_exp)] + [
-            lib.detinf_test_log(abs(x) + 1e-300) for x in grid
-        ] + [lib.detinf_test_sincos(x * 100.0, c) for x in grid for c in (0, 1)]
+        return (
+            [f(x) for x in grid for f in (lib.detinf_test_expf, lib.detinf_test_exp)]
+            + [lib.detinf_test_log(abs(x) + 1e-300) for x in grid]
+            + [lib.detinf_test_sincos(x * 100.0, c) for x in grid for c in (0, 1)]
+        )
+
     expected = values(kernels)
     for name, other in portable_builds.items():
         assert values(other) == expected, name

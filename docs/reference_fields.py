@@ -57,6 +57,14 @@ FIELD_DOCS: dict[str, str] = {
     "top_logprobs_num": "alternatives per token with `return_logprob` (0-20)",
     "max_new_tokens": "most tokens to generate per choice (default 128)",
     "sampling_seed": "sampling seed, 0 to 2^63 - 1; default: the server's `--default-seed`",
+    "prompt_logprobs": "vLLM: per prompt token, its logprob and this many alternatives (0-20)",
+    "return_token_ids": "vLLM: choices also carry `prompt_token_ids` and `token_ids`",
+    "logprob_start_len": "first prompt position whose logprob is returned in `input_token_logprobs`; -1 "
+    "(default) = output logprobs only; one value or one per prompt",
+    "return_text_in_logprobs": "put each token's text as the third element of logprob entries (else null)",
+    "token_ids_logprob": "not supported: a non-empty value is a 400",
+    "model_path": "directory on the server with the new weights as safetensors",
+    "load_format": "`safetensors` or `auto`",
     # responses
     "id": "response id (not part of the output: differs between calls)",
     "object": "the object type, as OpenAI names it",
@@ -94,9 +102,16 @@ FIELD_DOCS: dict[str, str] = {
     "data": "the served model (one)",
     "output_ids": "generated token ids",
     "meta_info": "counts, finish reason, fingerprint, logprobs",
-    "output_token_logprobs": "`[logprob, token_id, null]` per generated token",
-    "output_top_logprobs": "per generated token, a list of `[logprob, token_id, null]` alternatives",
+    "output_token_logprobs": "`[logprob, token_id, text or null]` per generated token",
+    "output_top_logprobs": "per generated token, a list of `[logprob, token_id, text or null]` alternatives",
     "length": "with type `length`: tokens generated",
+    "input_token_logprobs": "`[logprob, token_id, text or null]` per prompt token from `logprob_start_len`",
+    "input_top_logprobs": "per prompt token, its alternatives (null where none)",
+    "output_token_logprobs_length": "number of entries in `output_token_logprobs`",
+    "success": "true: new requests run on the new weights",
+    "weights_digest": "sha256 of the new weights as the engine computes them (part of the fingerprint)",
+    "prompt_token_ids": "the prompt's token ids",
+    "token_ids": "the generated token ids",
     "matched": "with type `stop`: the stop string or token id that matched",
 }
 

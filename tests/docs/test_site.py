@@ -82,3 +82,11 @@ def test_named_repository_files_and_tests_exist() -> None:
                 assert re.search(rf"def {function}\(", source), f"{path}: {file_name}::{function} not found"
             named += 1
     assert named > 20
+
+
+def test_the_audit_page_describes_every_mode() -> None:
+    from deterministic_inference.audit.modes import MODES
+
+    page = (DOCS / "audit.md").read_text(encoding="utf-8")
+    for mode in (*MODES, "all"):
+        assert f"| `{mode}` |" in page, f"docs/audit.md: add a row for the audit mode {mode!r}"

@@ -64,10 +64,15 @@ def release_freed_memory() -> bool:
     return bool(trim(0))
 
 
-def resolve_dtype(requested: str) -> str:
-    """ "auto" -> "bfloat16" on CPUs with native bf16, else "float32"; explicit names pass through."""
+def resolve_dtype(requested: str, batch_invariant: bool = True) -> str:
+    """ "auto" -> "bfloat16" in invariant mode on every CPU: the kernels compute bf16 models with the same
+    bits with or without AVX512-BF16 (portable numerics), so the default numerics must not depend on the
+    CPU either. With `batch_invariant=False` (plain torch): bf16 on CPUs with native bf16, else fp32.
+    Explicit names pass through."""
     if requested != "auto":
         return requested
+    if batch_invariant:
+        return "bfloat16"
     return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 

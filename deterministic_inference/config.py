@@ -28,7 +28,7 @@ class EngineConfig:
     """All engine settings; construct with keywords, validated on creation."""
 
     model: str | None = None  # GGUF file or HF directory; None = the embedded default model
-    dtype: str = "auto"  # "auto" (bf16 on CPUs with native bf16, else fp32), "float32", "bfloat16"
+    dtype: str = "auto"  # "auto" (invariant: bf16 on every CPU; plain torch: bf16 where native), ...
     quantization: str = "auto"  # weight formats: one of QUANTIZATIONS
     batch_invariant: bool = True  # False = plain torch ops (benchmarks, negative controls)
     linear_tile_rows: int = 4  # GEMM row granularity T: every linear call sees a multiple of T rows

@@ -68,7 +68,7 @@ class Engine:
         self.loaded = loaded if loaded is not None else load_model(config.model, config.quantization)
         self.tokenizer = self.loaded.tokenizer
         self.spec = self.loaded.spec
-        self.dtype_name = resolve_dtype(config.dtype)
+        self.dtype_name = resolve_dtype(config.dtype, config.batch_invariant)
         self.max_model_len = min(
             config.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings
         )
@@ -87,7 +87,9 @@ class Engine:
                 self.selfcheck_report.raise_if_failed()
             self.model_digest = digest.result()
         self.fingerprint = fingerprint.engine_fingerprint(
-            self.model_digest, config.numerics(self.dtype_name, self.model.weight_formats)
+            self.model_digest,
+            config.numerics(self.dtype_name, self.model.weight_formats),
+            portable=self.model.ops.portable,
         )
         self.system_fingerprint = fingerprint.system_fingerprint(self.fingerprint)
         num_blocks = choose_num_kv_blocks(config, self.spec, self.max_model_len, self.dtype_name)

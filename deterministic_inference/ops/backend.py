@@ -15,6 +15,7 @@ op of every layer once per token), so the methods forward to the kernels with no
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,7 +28,7 @@ from deterministic_inference.ops.linear import Linear, LinearWeight
 from deterministic_inference.ops.moe import combine_native, combine_torch, route_native, route_torch
 from deterministic_inference.ops.native import NativeKernels, native_kernels
 from deterministic_inference.ops.norm import rms_norm
-from deterministic_inference.ops.portable import log_softmax_rows
+from deterministic_inference.ops.portable import TORCH_LOG_SOFTMAX_ENV, log_softmax_rows
 from deterministic_inference.ops.rope import RotaryTable
 from deterministic_inference.ops.weights import Embedding, StoredWeight, dense
 
@@ -51,6 +52,12 @@ class OpsBackend(Protocol):
 
     name: str
     numerics: Numerics
+
+    @property
+    def portable(self) -> bool:
+        """True when every rounding operation runs in our kernels (bits fixed by their source, the same
+        on any x86-64 CPU): the fingerprint then leaves the CPU out of what can change bits."""
+        ...
 
     def linear(self, weight: LinearWeight, bias: torch.Tensor | None = None) -> Linear:
         """x [T, in] -> [T, out] in the model dtype; `weight` may stack several stored parts by rows."""
@@ -129,6 +136,11 @@ class NativeBackend:
     def __init__(self, numerics: Numerics, kernels: NativeKernels) -> None:
         self.numerics = numerics
         self.kernels = kernels
+
+    @property
+    def portable(self) -> bool:
+        """True, unless a test put torch's log_softmax back on the path (`ops.portable`)."""
+        return os.environ.get(TORCH_LOG_SOFTMAX_ENV) != "1"
 
     def linear(self, weight: LinearWeight, bias: torch.Tensor | None = None) -> Linear:
         numerics = self.numerics
@@ -216,6 +228,11 @@ class TorchBackend:
 
     def __init__(self, numerics: Numerics) -> None:
         self.numerics = numerics
+
+    @property
+    def portable(self) -> bool:
+        """False: torch's kernels dispatch on the CPU's ISA."""
+        return False
 
     def linear(self, weight: LinearWeight, bias: torch.Tensor | None = None) -> Linear:
         numerics = self.numerics

@@ -34,7 +34,6 @@ VARIANTS = (
      {"ATEN_CPU_CAPABILITY": "avx2", "DETINF_KERNEL_MARCH": "x86-64-v3", "ONEDNN_MAX_CPU_ISA": "AVX2"}, 1),
     ("default / x86-64 / oneDNN SSE41 / 2 threads",
      {"ATEN_CPU_CAPABILITY": "default", "DETINF_KERNEL_MARCH": "x86-64", "ONEDNN_MAX_CPU_ISA": "SSE41"}, 2),
-    ("avx512 / native / 1 thread", {"ATEN_CPU_CAPABILITY": "avx512"}, 1),
 )  # fmt: skip
 SWITCHES = ("ATEN_CPU_CAPABILITY", "DETINF_KERNEL_MARCH", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 TORCH_LOG_SOFTMAX = {"DETINF_TEST_TORCH_LOG_SOFTMAX": "1"}
@@ -111,9 +110,9 @@ def test_negative_control_torch_log_softmax_on_the_path_is_detected(
 
 
 @pytest.mark.slow
-def test_default_model_same_bits_on_avx2_and_scalar_dispatch(avx512: None) -> None:
+def test_default_model_same_bits_on_scalar_dispatch_and_sse2_kernels(avx512: None) -> None:
     """The real default model (quantized GEMMs, bf16 activations): AVX-512 dispatch and native kernels
-    vs torch's scalar kernels with an x86-64 build of ours and one thread, and vs AVX2 dispatch."""
+    vs torch's scalar kernels with an x86-64 build of ours (SSE2 only)."""
     reference = probe(["default:auto"], BASE[1], BASE[2])
-    for label, env, threads in VARIANTS[:2]:
-        assert differing(reference, probe(["default:auto"], env, threads)) == [], label
+    label, env, threads = VARIANTS[1]
+    assert differing(reference, probe(["default:auto"], env, threads)) == [], label

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from deterministic_inference.ops import native, portable
+from deterministic_inference.ops.backend import NativeBackend, Numerics
 from deterministic_inference.ops.native import NativeBuildError, NativeKernels, build, load
 from deterministic_inference.ops.selfcheck import torch_threads
 from tests.ops.helpers import bits
@@ -172,3 +173,30 @@ def test_torch_log_softmax_switch_puts_torch_back(monkeypatch: pytest.MonkeyPatc
     rows = logits_rows(4, 1000, 11)
     monkeypatch.setenv(portable.TORCH_LOG_SOFTMAX_ENV, "1")
     assert torch.equal(bits(portable.log_softmax_rows(rows)), bits(torch.log_softmax(rows, dim=-1)))
+
+
+def test_rotary_tables_are_accurate_and_used_by_the_native_backend(kernels: NativeKernels) -> None:
+    """Inverse frequencies within 2 fp32 ulps of float64; cos / sin of each fp32 angle within one
+    rounding of float64; the native backend's tables are these."""
+    numerics = Numerics(dtype=torch.bfloat16, batch_invariant=True, tile_rows=4)
+    table = NativeBackend(numerics, kernels).rotary_table(64, 500000.0, 8192, None)
+    inv = portable.inverse_frequencies(kernels, 500000.0, 64)  # [32]
+    exact = 1.0 / (500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    assert float(((inv.double() - exact) / exact).abs().max()) < 2.0**-22
+    angles = (torch.arange(8192).float()[:, None] * inv[None, :]).double()  # the fp32 angles
+    assert float((table.cos[:, :32].double() - angles.cos()).abs().max()) < 6e-8
+    assert float((table.sin[:, 32:].double() - angles.sin()).abs().max()) < 6e-8
+    assert torch.equal(bits(table.cos[:, :32]), bits(table.cos[:, 32:]))
+    assert torch.equal(bits(table.sin), bits(portable.rotary_tables(kernels, inv, 8192)[1]))
+
+
+def test_backend_logprobs_are_the_samplers(kernels: NativeKernels) -> None:
+    """A trainer's logprobs (the backend's log_softmax_rows) equal the sampler's prompt logprobs bits."""
+    from deterministic_inference.engine import sampler
+
+    logits = logits_rows(6, 777, 21)
+    numerics = Numerics(dtype=torch.float32, batch_invariant=True, tile_rows=4)
+    trainer = NativeBackend(numerics, kernels).log_softmax_rows(logits)  # [6, 777]
+    targets = [3, 700, 5, 0, 10, 776]
+    values, _ = sampler.prompt_logprobs(logits, targets, 0)
+    assert bits(torch.tensor(values)).tolist() == bits(trainer[range(6), targets]).tolist()

@@ -1,14 +1,14 @@
 """Perplexity on a fixed English text: our dequantised path, our quantized path, and llama.cpp's own.
 
-Run by hand from the repository root (llama.cpp from the bench venv's llama-cpp-python: run this with a
-Python that has both the package and llama_cpp, e.g. the bench venv with this repository installed, or
-pass --no-llama-cpp):
-    .venv/bin/python -m bench.bench_perplexity [--model FILE] [--threads 1] [--text bench/perplexity_text.txt]
+Run by hand from the repository root (llama.cpp runs in a child process under the bench venv's Python,
+`--llama-python`, default /work/bench-venv/bin/python; see bench/llama_cpp_worker.py):
+    .venv/bin/python -m bench.bench_perplexity [--model FILE] [--threads 1] [--no-llama-cpp]
 
 The text (bench/perplexity_text.txt, ~2.6k SmolLM2 tokens) is tokenized once by our tokenizer (no BOS:
 the default model adds none) and the same ids are scored by every implementation in one pass each:
 perplexity = exp(-mean log p(token i | tokens < i)) over tokens 1..n-1. Ours comes from prompt logprobs
-(`prompt_logprobs=0`); llama.cpp's from its logits (`logits_all=True`), log-softmaxed in float64.
+(`prompt_logprobs=0`); llama.cpp's from its logits (`logits_all=True`, one `eval` of all ids),
+log-softmaxed in float64.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from bench.llama_cpp_worker import DEFAULT_PYTHON
 
 TEXT = Path(__file__).with_name("perplexity_text.txt")
 
@@ -42,22 +44,19 @@ def our_perplexity(model: str | None, ids: list[int], quantization: str, dtype: 
     return math.exp(-float(scored.mean()))
 
 
-def llama_cpp_perplexity(model: str, ids: list[int], threads: int) -> tuple[float, bool]:
+def llama_cpp_perplexity(model: str, ids: list[int], threads: int, python: str) -> tuple[float, bool]:
     """(perplexity of ids[1:] from llama.cpp's logits, whether llama.cpp tokenizes the text the same)."""
-    import llama_cpp
+    from bench.llama_cpp_worker import LlamaCppWorker
 
-    llm = llama_cpp.Llama(
-        model_path=model, n_ctx=max(len(ids) + 16, 4096), n_batch=512, logits_all=True, n_threads=threads,
-        verbose=False,
-    )  # fmt: skip
-    same_tokens = llm.tokenize(TEXT.read_bytes(), add_bos=False, special=False) == ids
-    llm.reset()
-    llm.eval(ids)
-    logits = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)  # [n-1, vocab]
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    log_norm = np.log(np.exp(shifted).sum(axis=1))
-    picked = shifted[np.arange(len(ids) - 1), ids[1:]] - log_norm  # [n-1]
-    return math.exp(-float(picked.mean())), same_tokens
+    worker = LlamaCppWorker(python)
+    try:
+        worker.request(
+            op="load", model=model, threads=threads, n_ctx=max(len(ids) + 16, 4096), logits_all=True
+        )
+        same_tokens = worker.request(op="tokenize", text=TEXT.read_text())["ids"] == ids
+        return float(worker.request(op="perplexity", ids=ids)["perplexity"]), same_tokens
+    finally:
+        worker.close()
 
 
 def main() -> None:
@@ -65,6 +64,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--llama-python", default=str(DEFAULT_PYTHON), help="a Python with llama_cpp")
     args = parser.parse_args()
     from deterministic_inference.model.default_model import default_model_path
     from deterministic_inference.model.loader import load_model
@@ -91,7 +91,7 @@ def main() -> None:
     reference = None
     if not args.no_llama_cpp:
         start = time.perf_counter()
-        reference, same_tokens = llama_cpp_perplexity(model, ids, args.threads)
+        reference, same_tokens = llama_cpp_perplexity(model, ids, args.threads, args.llama_python)
         rows.append(("llama.cpp (llama-cpp-python, logits_all)", reference, time.perf_counter() - start))
         print(f"(llama.cpp tokenizes the text to the same ids: {same_tokens})")
     for label, ppl, seconds in rows:

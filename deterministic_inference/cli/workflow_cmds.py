@@ -9,13 +9,12 @@ and returns the exit code. Errors of the package become one line on stderr with 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from deterministic_inference.cli.serve_manifest import extend_serve
 from deterministic_inference.errors import WorkflowError
 
 
@@ -29,7 +28,7 @@ def register(subparsers: Any) -> None:
     _verify(subparsers)
     _bundle(subparsers)
     _inspect(subparsers)
-    _serve_config(subparsers)
+    extend_serve(subparsers)
 
 
 def _config(parser: argparse.ArgumentParser) -> None:
@@ -268,49 +267,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         print("\n".join(summary_lines(summary)))
     return 0
-
-
-def _serve_config(subparsers: Any) -> None:
-    """Give `detinf serve` (registered by the server commands) a ``--config MANIFEST`` option: serve what
-    the manifest pins, after the same lock, hardware and artifact-digest checks as `run`."""
-    serve = getattr(subparsers, "choices", {}).get("serve")
-    if serve is None:
-        return
-    serve.add_argument("--config", type=Path, default=None,
-                       help="serve what this manifest pins (checks its lock and artifact digests first)")
-    serve.add_argument("--lock", type=Path, default=None, help="lock of --config (default: next to it)")
-    original = serve.get_default("func")
-    # None = not given: with --config the manifest's runtime.execution.base_url supplies them
-    listen = {"host": serve.get_default("host"), "port": serve.get_default("port")}
-    serve.set_defaults(host=None, port=None)
-
-    def serve_with_config(args: argparse.Namespace) -> int:
-        if args.config is None:
-            _fill_listen(args, listen)
-            return int(original(args))
-        from deterministic_inference.workflow.network import offline_guard
-        from deterministic_inference.workflow.serve_config import apply_manifest
-
-        policy, env = apply_manifest(args)
-        _fill_listen(args, listen)
-        with _process_env(env), offline_guard() if policy == "offline_required" else contextlib.nullcontext():
-            return int(original(args))
-
-    serve.set_defaults(func=serve_with_config)
-
-
-def _fill_listen(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-
-
-@contextlib.contextmanager
-def _process_env(env: dict[str, str]) -> Iterator[None]:
-    from deterministic_inference.workflow.run import applied_env
-
-    with applied_env(env):
-        yield
 
 
 def _warn(warnings: tuple[str, ...]) -> None:

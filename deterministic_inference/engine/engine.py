@@ -256,13 +256,19 @@ class Engine:
         return swap_weights(self, weights, param)
 
     def stats(self) -> dict[str, Any]:
-        """Counters for metrics: queue sizes, KV blocks, prefix-cache hits."""
+        """Counters for metrics: queue sizes, KV blocks, prefix-cache hits, preemptions, and the
+        invariance mode with the start-up self-check's outcome."""
+        report = self.selfcheck_report
         return {
             "num_waiting": self.scheduler.num_waiting,
             "num_running": self.scheduler.num_running,
+            "num_preemptions": self.scheduler.num_preemptions,
             "kv_blocks_total": self.runner.num_blocks,
             "kv_blocks_used": self.kv.num_used_blocks,
             "prefix_cache": vars(self.kv.stats).copy(),
+            "batch_invariant": self.config.batch_invariant,
+            "selfcheck": None if report is None else {"passed": report.ok, "probes": len(report.results),
+                                                      "seconds": report.seconds},
         }
 
     def release(self, request_id: str) -> None:

@@ -170,11 +170,12 @@ class Tracked:
             self.assembler = assembler = fold(self.assembler, delta)
             if not self._first_token_seen and any(piece.token_ids for piece in delta.outputs):
                 self._first_token_seen = True
-                self.metrics.time_to_first_token.observe(time.monotonic() - self.start)
+                self.metrics.observe_first_token(time.monotonic() - self.start)
             if delta.finished:
                 self.final = assembler.output()
                 self.metrics.observe_finished(
-                    len(assembler.prompt.token_ids), assembler.num_generated, time.monotonic() - self.start
+                    len(assembler.prompt.token_ids), assembler.num_generated, time.monotonic() - self.start,
+                    [choice.finish_reason for choice in self.final.outputs],
                 )
             yield delta
 
@@ -189,7 +190,7 @@ class Tracked:
     def close(self) -> None:
         """Abort if unfinished (counted as aborted) and release the admission slot."""
         if not self.stream.finished and self.final is None:
-            self.metrics.aborted_requests += 1
+            self.metrics.count_aborted()
         self.stream.close()
 
 

@@ -26,7 +26,7 @@ from deterministic_inference.workflow import artifacts, capture, closure, datase
 from deterministic_inference.workflow.backend_engine import BackendResult
 from deterministic_inference.workflow.canonical import run_id as compute_run_id
 from deterministic_inference.workflow.lock import check_lock_for, load_lock
-from deterministic_inference.workflow.manifest import Manifest, load_manifest
+from deterministic_inference.workflow.manifest import GPU_BACKENDS, Manifest, load_manifest
 from deterministic_inference.workflow.rundir import json_bytes, write_run_dir
 
 
@@ -66,6 +66,8 @@ def run_manifest(path: Path, options: RunOptions, log: TextIO | None = None) -> 
     prepared = prepare(manifest, options, out)
     data = manifest.data
     backend = "openai_compatible" if options.base_url else data["runtime"]["execution"]["backend"]
+    if backend in GPU_BACKENDS:  # started by `detinf serve --config`; runs reach it over HTTP
+        backend = "openai_compatible"
     base_url = options.base_url or data["runtime"]["execution"]["base_url"]
     offline = data["runtime"]["network_policy"] == "offline_required"
     if backend == "openai_compatible":

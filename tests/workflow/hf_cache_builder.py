@@ -7,6 +7,8 @@ import hashlib
 import os
 from pathlib import Path
 
+REPO = "org/tiny-llama"  # the tiny model's id in the caches the tests build
+
 
 def add_snapshot(cache: Path, repo: str, source_dir: Path, branch: str = "main") -> str:
     """Put every file of `source_dir` into `cache` as one commit of `repo` (also the head of `branch`);

@@ -16,9 +16,8 @@ from deterministic_inference.workflow.hf_cache import hub_cache_dir
 from tests.server.harness import free_port, stop_process, wait_healthy
 from tests.tiny_models import TinyModel
 from tests.workflow.helpers import detinf, edit_manifest, read_json
-from tests.workflow.hf_cache_builder import add_snapshot
+from tests.workflow.hf_cache_builder import REPO, add_snapshot
 
-REPO = "org/tiny-llama"
 STEP_TIMEOUT = 300
 
 
@@ -31,18 +30,6 @@ def _cli(cwd: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProc
 def _ok(result: subprocess.CompletedProcess[str]) -> str:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     return result.stdout
-
-
-@pytest.fixture()
-def hf_env(
-    tiny_llama_dir: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> tuple[str, dict[str, str]]:
-    """A private HF cache holding the tiny model as REPO (commit, environment pointing at the cache)."""
-    cache = tmp_path / "hf-cache"
-    commit = add_snapshot(cache, REPO, tiny_llama_dir.path)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    return commit, env
 
 
 @pytest.mark.slow

@@ -38,7 +38,9 @@ def run_selfcheck_command(args: argparse.Namespace) -> int:
     )
     loaded = load_model(config.model, config.quantization)
     model = build_model(loaded, config, resolve_dtype(config.dtype), 4096)
-    report = run_selfcheck(loaded.spec, model.numerics, config.threads, model.probe_linears())
+    report = run_selfcheck(
+        loaded.spec, model.numerics, config.threads, model.probe_linears(), model.probe_blocks()
+    )
     if args.json:
         print(json.dumps(report.to_dict(), sort_keys=True))
     else:

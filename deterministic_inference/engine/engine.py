@@ -81,7 +81,8 @@ class Engine:
             if config.batch_invariant and config.selfcheck:
                 # Refuse invariant mode on hardware where any op probe differs (names op and shape).
                 self.selfcheck_report = run_selfcheck(
-                    self.spec, self.model.numerics, config.threads, self.model.probe_linears()
+                    self.spec, self.model.numerics, config.threads, self.model.probe_linears(),
+                    self.model.probe_blocks(),
                 )
                 self.selfcheck_report.raise_if_failed()
             self.model_digest = digest.result()

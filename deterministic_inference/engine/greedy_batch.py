@@ -2,10 +2,10 @@
 
 Rows that are plain greedy (temperature 0, no penalty that changes a logit) need only argmax + raw
 logprobs + the k best logprobs, and `sampler.sample` computes those for all such rows at once:
-  - one `ops.logprobs.log_softmax_rows(block)` (the one logprob function): it reduces each row on its
-    own (rows are split across threads, never a row), so every row is bitwise
-    `sampler._row_logprobs` of that row; tests/engine/test_sampler_batched.py checks this bit for bit
-    for several vocab sizes, 1..64 rows and 1 and 2 threads;
+  - one `ops.logprobs.log_softmax_rows(block)` (the one logprob function; its body is the portable
+    kernel of ops/portable.py) computes each row alone, whole, in a source-fixed order, so every row is
+    bitwise `sampler._row_logprobs` of that row; tests/engine/test_sampler_batched.py checks this bit
+    for bit for several vocab sizes, 1..64 rows and 1 and 2 threads;
   - argmax and top-k as a two-level search over blocks of `BLOCK` columns: block maxima (`amax`, exact
     whatever its reduction order), then the exact answer inside the few blocks that can hold it. Ties go to
     the lowest id by construction (torch.argmax returns the first maximal index; top-k orders unique

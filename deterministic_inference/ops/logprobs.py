@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import torch
 
+from deterministic_inference.ops import portable
+
 
 def log_softmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits [R, V] (any float dtype) -> log_softmax of each row [R, V] fp32 (a new tensor).
 
-    Why invariant: torch's last-dimension log_softmax reduces each row sequentially over that row only
-    (rows are shared out between threads, never split), so row r's bits are a function of logits[r]
-    alone: the same with 1 row or 64, at any position, with 1 or 2 threads
-    (tests/engine/test_sampler_batched.py checks this bit for bit)."""
+    Why invariant: the body is the portable C kernel (`ops.portable.log_softmax_rows`): each row is
+    computed alone, whole, in a source-fixed order with our own exp/log, so row r's bits are a function of
+    logits[r] alone: the same with 1 row or 64, at any position, with 1 or 2 threads, on any x86-64 CPU
+    (tests/engine/test_sampler_batched.py and tests/ops/test_portable*.py check this bit for bit)."""
     if logits.dim() != 2:
         raise ValueError(f"log_softmax_rows: expected logits [rows, vocab], got shape {tuple(logits.shape)}")
-    return torch.log_softmax(logits.to(torch.float32).contiguous(), dim=1)
+    return portable.log_softmax_rows(logits.to(torch.float32).contiguous())

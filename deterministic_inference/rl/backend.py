@@ -14,8 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
+from deterministic_inference.model.spec import RopeScaling
 from deterministic_inference.ops.attention import AttentionMetadata
-from deterministic_inference.ops.backend import KVCache, NativeBackend, Numerics
+from deterministic_inference.ops.backend import KVCache, NativeBackend, Numerics, SharedExpert
 from deterministic_inference.ops.linear import Linear, LinearWeight
 from deterministic_inference.ops.rope import RotaryTable
 from deterministic_inference.ops.weights import Embedding, StoredWeight, dtype_format
@@ -104,8 +105,32 @@ class TrainableBackend:
         return normed, summed
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """Qwen3's per-head norm is plain torch in the engine too: autograd as is."""
-        return self.native.rms_norm(x, weight, eps)
+        """Qwen3's per-head q/k norm: the engine's RMSNorm kernel (the fused one with no residual), with
+        the same backward as `add_rms_norm`."""
+        rows = x.reshape(-1, x.shape[-1])  # [N, W]
+        normed: torch.Tensor
+        normed, _ = functions.AddRmsNormFn.apply(self.native.add_rms_norm, eps, rows, None, weight)
+        return normed.reshape(x.shape)
+
+    def rotary_table(
+        self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None
+    ) -> RotaryTable:
+        """The engine's tables (constants: no gradient)."""
+        return self.native.rotary_table(head_dim, theta, max_positions, scaling)
+
+    def log_softmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """The policy computes logprobs itself (rl/policy.py, through `ops.logprobs`); the decoder never
+        calls this."""
+        return self.native.log_softmax_rows(logits)
+
+    def moe_route(self, logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mixture-of-experts policies are not trainable yet: refused when the policy is built."""
+        raise NotImplementedError("the trainable policy supports dense models only (not mixture-of-experts)")
+
+    def moe_combine(
+        self, y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, shared: SharedExpert | None
+    ) -> torch.Tensor:
+        raise NotImplementedError("the trainable policy supports dense models only (not mixture-of-experts)")
 
     def rotary_write_kv(
         self,

@@ -63,6 +63,8 @@ class Policy(nn.Module):
     ) -> None:
         super().__init__()
         self.spec = loaded.spec
+        if self.spec.is_moe:
+            raise ConfigError("model: the policy trains dense models only, not mixture-of-experts")
         self.block_size = config.kv_block_size
         dtype = DTYPES[resolve_dtype(config.dtype)]
         self.numerics = Numerics(dtype=dtype, batch_invariant=invariant, tile_rows=config.linear_tile_rows)

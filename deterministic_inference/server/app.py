@@ -36,7 +36,8 @@ from deterministic_inference.server.errors import as_api_error, install_error_ha
 from deterministic_inference.server.formatting import json_response
 from deterministic_inference.server.metrics import ServerMetrics
 from deterministic_inference.server.middleware import AuthMetricsMiddleware
-from deterministic_inference.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from deterministic_inference.server.protocol import ChatCompletionRequest, CompletionRequest
+from deterministic_inference.server.protocol_generate import GenerateRequest
 from deterministic_inference.server.serving import ServingContext, created_now
 from deterministic_inference.server.serving_chat import create_chat_completion
 from deterministic_inference.server.serving_completions import create_completion
@@ -143,6 +144,16 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     )
     async def flush_cache() -> Response:
         """Drop every prefix-cache block no running request holds."""
+        return await _guarded(_flush_cache(ctx))
+
+    @app.post(
+        "/reset_prefix_cache",
+        response_model=schemas.FlushResult,
+        responses=schemas.error_responses(401, 503),
+        tags=["admin"],
+    )
+    async def reset_prefix_cache() -> Response:
+        """vLLM's name for /flush_cache: drop every prefix-cache block no running request holds."""
         return await _guarded(_flush_cache(ctx))
 
     @app.get(

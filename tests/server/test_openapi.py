@@ -30,6 +30,7 @@ def test_every_endpoint_documents_its_request_and_responses(tiny_server: Running
         "/v1/models",
         "/flush_cache",
         "/update_weights",
+        "/reset_prefix_cache",
         "/healthz",
         "/metrics",
     }

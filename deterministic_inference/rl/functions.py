@@ -172,6 +172,8 @@ class AttentionFn(torch.autograd.Function):
         grads = [torch.zeros(t.shape, dtype=torch.float32) for t in (q, k, v)]
         heads, dim = q.shape[1], q.shape[2]
         for rows in ctx.meta.sequences:
+            if rows.start_position != 0:
+                raise ValueError("attention backward: every sequence must start at position 0 in the batch")
             span = slice(rows.first_row, rows.first_row + rows.num_rows)
             with torch.enable_grad():
                 inputs = [t[span].detach().float().transpose(0, 1).requires_grad_() for t in (q, k, v)]

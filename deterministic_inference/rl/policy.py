@@ -71,11 +71,10 @@ class Policy(nn.Module):
         # the engine's rotary table has max_model_len positions; the same length gives the same table
         limit = self.spec.max_position_embeddings
         self.max_model_len = min(max_model_len or config.max_model_len or limit, limit)
-        backend = select_backend(self.numerics)
-        self._ops: OpsBackend | None = (
-            TrainableBackend(backend) if isinstance(backend, NativeBackend) else None
-        )
-        self._plain_ops = backend
+        backend = select_backend(self.numerics)  # the engine's choice of kernels for these numerics
+        self._trainable = isinstance(backend, NativeBackend)
+        # the kernels with a backward pass; plain torch ops are differentiable as they are
+        self._ops: OpsBackend = TrainableBackend(backend) if isinstance(backend, NativeBackend) else backend
         for name, weight in apply_quantization(loaded.weights, config.quantization, dtype).items():
             if not isinstance(weight, torch.Tensor):
                 raise ConfigError(
@@ -86,16 +85,24 @@ class Policy(nn.Module):
             _register(self, name, nn.Parameter(weight.to(dtype).to(master_dtype).clone()))
 
     @classmethod
-    def from_config(cls, config: EngineConfig, **options: object) -> Policy:
+    def from_config(
+        cls, config: EngineConfig, *, master_dtype: torch.dtype = torch.float32, invariant: bool = True
+    ) -> Policy:
         """Load the model `config` names (its quantization must leave float weights)."""
-        return cls(load_model(config.model, config.quantization), config, **options)  # type: ignore[arg-type]
+        loaded = load_model(config.model, config.quantization)
+        return cls(loaded, config, master_dtype=master_dtype, invariant=invariant)
 
     @classmethod
-    def for_engine(cls, engine: Engine, **options: object) -> Policy:
+    def for_engine(
+        cls, engine: Engine, *, master_dtype: torch.dtype = torch.float32, invariant: bool = True
+    ) -> Policy:
         """A policy over the engine's current weights and numerics (copies: training never touches them)."""
         if not engine.config.batch_invariant:
             raise ConfigError("batch_invariant: the engine runs plain torch ops; parity needs invariant mode")
-        return cls(engine.loaded, engine.config, max_model_len=engine.max_model_len, **options)  # type: ignore[arg-type]
+        return cls(
+            engine.loaded, engine.config, max_model_len=engine.max_model_len, master_dtype=master_dtype,
+            invariant=invariant,
+        )  # fmt: skip
 
     # -- scoring -----------------------------------------------------------------------------------
 
@@ -150,14 +157,12 @@ class Policy(nn.Module):
         """Logprobs [R] of targets[r] from flat row rows[r]'s logits."""
         dtype = self.numerics.dtype
         weights = {name: parameter.to(dtype) for name, parameter in self.named_parameters()}
-        model = DecoderModel(
-            self.spec, weights, self.numerics, self.max_model_len, ops=self._ops or self._plain_ops
-        )
+        model = DecoderModel(self.spec, weights, self.numerics, self.max_model_len, ops=self._ops)
         spec = self.spec
         caches: list[KVCache] = []
         for _ in range(spec.num_layers):
             cache = new_kv_cache(batch.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim, dtype)
-            caches.append(LayerKV(cache) if self._ops is not None else cache)
+            caches.append(LayerKV(cache) if self._trainable else cache)
         hidden = model.forward(batch.input_ids, batch.positions, batch.meta, caches)[rows]  # [R, hidden]
         head = model.lm_head
         if isinstance(head, TrainableLinear):

@@ -103,3 +103,20 @@ def test_plain_torch_policy_differs(sampled: tuple[Engine, list[Sampled]]) -> No
     assert differing > 0
     for s, value in zip(samples, values, strict=True):  # ... while computing the same model
         assert torch.allclose(value, s.logprobs, atol=5e-2)
+
+
+@pytest.mark.slow
+def test_default_model_parity() -> None:
+    """The default model (SmolLM2-135M, --quantization none, the engine's dtype): chunked prefill of
+    mixed prompts in one batch and alone, scored by the policy all at once and one at a time."""
+    engine = Engine(EngineConfig(quantization="none", max_num_batched_tokens=32, num_kv_blocks=64))
+    texts = ["The capital of France is", "Write a haiku about rivers and the sea, please. " * 5, "1, 2, 3,"]
+    prompts = [engine.encode_prompt(text) for text in texts]
+    assert len(prompts[1]) > 32  # chunked
+    samples = sample(engine, prompts, first_seed=0, max_tokens=12) + sample(engine, prompts[1:2], 9)
+    policy = Policy.for_engine(engine)
+    with torch.no_grad():
+        together = policy.completion_logprobs([s.prompt for s in samples], [s.completion for s in samples])
+        alone = [policy.completion_logprobs([s.prompt], [s.completion])[0] for s in reversed(samples)]
+    for s, a, b in zip(samples, together, reversed(alone), strict=True):
+        assert bits(a) == bits(s.logprobs) == bits(b)

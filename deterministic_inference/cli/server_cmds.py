@@ -56,7 +56,25 @@ def _register_serve(subparsers: Any) -> None:
         "(default 30)",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+        help="server log verbosity (default info)",
+    )
+    scale = parser.add_argument_group("replicas (Ray Serve; plain serve never imports Ray)")
+    scale.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="serve N engine replicas behind this endpoint with Ray Serve (prefix-affinity routing)",
+    )
+    scale.add_argument(
+        "--ray-address",
+        default=None,
+        help="Ray cluster to deploy on (host:port of its GCS); default: a local Ray instance on loopback",
+    )
+    scale.add_argument(
+        "--expect-fingerprint",
+        default=None,
+        help="with --replicas: the system_fingerprint replicas must have (default: replica 0's)",
     )
     add_engine_options(parser)
     parser.set_defaults(func=run_serve)
@@ -91,6 +109,8 @@ def run_serve(args: argparse.Namespace) -> int:
         shutdown_timeout=timeout,
     )
     configure_logging(args.log_level)
+    if args.replicas is not None or args.ray_address is not None:
+        return _run_replicated(args, config, settings)
     failures: list[str] = []
     holder: list[BoundedServer] = []
 
@@ -128,6 +148,27 @@ def run_serve(args: argparse.Namespace) -> int:
     _exit_zero_on_signals()
     server.run()
     return 1 if failures or not app.state.stopped_cleanly else 0
+
+
+def _run_replicated(args: argparse.Namespace, config: Any, settings: Any) -> int:
+    """`serve --replicas N`: the Ray Serve deployment (imports Ray only here)."""
+    from deterministic_inference.errors import ConfigError
+
+    replicas = 1 if args.replicas is None else args.replicas
+    if replicas < 1:
+        raise ConfigError(f"--replicas: {replicas} must be >= 1")
+    if config.model is not None and not os.path.exists(config.model):
+        raise ConfigError(f"--model: {config.model} does not exist; give a GGUF file or an HF directory")
+    from deterministic_inference.scaleout.serve_app import ReplicatedSpec, run_replicated
+
+    spec = ReplicatedSpec(
+        replicas=replicas,
+        engine=config,
+        settings=settings,
+        expected_system_fingerprint=args.expect_fingerprint,
+        cpus_per_replica=float(config.threads or 1),
+    )
+    return run_replicated(spec, args.host, args.port, args.ray_address)
 
 
 def _exit_zero_on_signals() -> None:

@@ -13,7 +13,7 @@ consumes the deltas themselves (`step_deltas`).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from deterministic_inference.engine.setup import (
     release_freed_memory,
     resolve_dtype,
 )
+from deterministic_inference.engine.weight_update import swap_weights
 from deterministic_inference.errors import InvalidRequestError
 from deterministic_inference.model.loader import LoadedModel, load_model
 from deterministic_inference.ops.selfcheck import SelfCheckReport, run_selfcheck
@@ -244,6 +245,13 @@ class Engine:
     def flush_prefix_cache(self) -> int:
         """Drop every cached KV block no running request holds; returns how many were dropped."""
         return self.kv.flush()
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], param: str = "weights") -> str:
+        """Serve `weights` (HF name -> float tensor, e.g. `rl.Policy.engine_weights()`) from now on and
+        return the new system_fingerprint. Only between requests: raises EngineBusyError while any is in
+        flight, InvalidRequestError (naming `param`) when the tensors are not exactly the model's;
+        either way the old weights keep serving. Flushes the prefix cache (`engine/weight_update.py`)."""
+        return swap_weights(self, weights, param)
 
     def stats(self) -> dict[str, Any]:
         """Counters for metrics: queue sizes, KV blocks, prefix-cache hits."""

@@ -163,6 +163,14 @@ def _spec(
         raise ModelLoadError(f"{config_path}: invalid hyper-parameter: {exc}") from exc
 
 
+def load_safetensors_weights(path: Path) -> tuple[dict[str, torch.Tensor], list[Path]]:
+    """(tensors, files read) of the *.safetensors weights in directory `path` (or the shards of its
+    model.safetensors.index.json), read as `load_hf` reads them; ModelLoadError when there are none or a
+    file is unreadable. Also the reader of a weight update (`engine/weight_update.py`)."""
+    files = _weight_files(path)
+    return _load_weights(files), files
+
+
 def _weight_files(path: Path) -> list[Path]:
     index_path = path / "model.safetensors.index.json"
     index = read_optional_json(index_path)

@@ -104,22 +104,28 @@ class DecoderLayer:
 class DecoderModel:
     """Embedding, decoder layers, final norm and the fp32 logits head of a Llama-family model.
 
-    The ops backend is chosen here, once, from `numerics` (`select_backend`)."""
+    The ops backend is chosen here, once, from `numerics` (`select_backend`); `ops` passes one built on
+    that choice instead (the RL policy's autograd wrapper around the same kernels, `rl/backend.py`)."""
 
     def __init__(
-        self, spec: ModelSpec, weights: Mapping[str, StoredWeight], numerics: Numerics, max_positions: int
+        self,
+        spec: ModelSpec,
+        weights: Mapping[str, StoredWeight],
+        numerics: Numerics,
+        max_positions: int,
+        ops: OpsBackend | None = None,
     ):
         self.spec = spec
         self.numerics = numerics
         # The compiled kernels in invariant mode (raises NativeBuildError without a compiler).
-        self.ops = select_backend(numerics)
+        self.ops = ops if ops is not None else select_backend(numerics)
         self.embed = self.ops.embedding(weights["model.embed_tokens.weight"])  # [vocab, hidden]
         self.layers = [DecoderLayer(spec, weights, i, self.ops) for i in range(spec.num_layers)]
         self.final_norm = dense(weights["model.norm.weight"], numerics.dtype)
         head = weights["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
         # Logits in fp32 whatever the model dtype: fp32 sums of the model-dtype weight and hidden state.
         self.lm_head = self.ops.logits_head(head)
-        self.rotary = RotaryTable(spec.head_dim, spec.rope_theta, max_positions, spec.rope_scaling)
+        self.rotary = self.ops.rotary_table(spec.head_dim, spec.rope_theta, max_positions, spec.rope_scaling)
         # tensor name -> the format the model computes it in (the fingerprint's numerics); the head has
         # its own entry when tied (the embedding table read by the logits GEMM)
         formats = {"model.embed_tokens.weight": self.embed.format, "lm_head.weight": self.lm_head.formats[0]}

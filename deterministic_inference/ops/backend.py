@@ -1,11 +1,13 @@
 """The ops backend seam: the decoder is written once against `OpsBackend`; a backend is picked once,
 when the model is built, by `select_backend` (the one place that decides which kernels run).
 
-- `NativeBackend` (invariant mode): the compiled kernels of `ops/native.py` (attention, RMSNorm fused
-  with the residual add, silu_mul, rotary + KV write, the bf16 GEMM) and padded oneDNN GEMMs for fp32
-  weights. Every op's rows are invariant by construction; the start-up self-check proves it per machine.
+- `NativeBackend` (invariant mode): the compiled kernels of `ops/native.py` and `ops/portable.py`
+  (attention, RMSNorm fused with the residual add, silu_mul, rotary tables + KV write, the bf16, fp32 and
+  quantized GEMMs, log_softmax). Every op's rows are invariant by construction; the start-up self-check
+  proves it per machine. Every rounding operation runs in our kernels, so the bits are also the same on
+  any x86-64 CPU and for any -march of the kernels (portable numerics): torch only moves data and casts.
 - `TorchBackend` (`batch_invariant=False`): plain torch ops, for benchmarks and the negative controls of
-  the tests. Its outputs may depend on the batch.
+  the tests. Its outputs may depend on the batch and on the CPU.
 
 A GPU backend would be a third class here. Per-token overhead matters (single-stream decode calls every
 op of every layer once per token), so the methods forward to the kernels with no extra work.
@@ -19,11 +21,13 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from deterministic_inference.model.spec import RopeScaling
 from deterministic_inference.ops.attention import AttentionMetadata, paged_attention, write_kv
 from deterministic_inference.ops.linear import Linear, LinearWeight
 from deterministic_inference.ops.moe import combine_native, combine_torch, route_native, route_torch
 from deterministic_inference.ops.native import NativeKernels, native_kernels
 from deterministic_inference.ops.norm import rms_norm
+from deterministic_inference.ops.portable import log_softmax_rows
 from deterministic_inference.ops.rope import RotaryTable
 from deterministic_inference.ops.weights import Embedding, StoredWeight, dense
 
@@ -104,6 +108,18 @@ class OpsBackend(Protocol):
         rows summed in slot order (+ the sigmoid-gated shared expert)."""
         ...
 
+    def rotary_table(
+        self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None
+    ) -> RotaryTable:
+        """The cos / sin tables of every position (fp32 [max_positions, head_dim])."""
+        ...
+
+    def log_softmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logprobs: log_softmax over the last dimension of fp32 logits [..., V] -> fp32 [..., V]. The
+        native backend's is the sampler's own function (`ops.portable.log_softmax_rows`), so a trainer's
+        forward pass gets the sampler's logprob bits."""
+        ...
+
 
 class NativeBackend:
     """Invariant mode: the compiled kernels (see the module docstring)."""
@@ -140,8 +156,10 @@ class NativeBackend:
         return self.kernels.add_rms_norm(hidden, delta, weight, eps), hidden
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """torch's fp32 whole-row reduction (invariant at every width measured; the self-check probes it)."""
-        return rms_norm(x, weight, eps)
+        """The RMSNorm kernel over the last dimension (each row alone, fixed-order sum of squares; torch's
+        reduction would take its order from the CPU's vector width)."""
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # [N, W]
+        return self.kernels.add_rms_norm(rows, None, weight.contiguous(), eps).reshape(x.shape)
 
     def rotary_write_kv(
         self,
@@ -178,6 +196,16 @@ class NativeBackend:
     ) -> torch.Tensor:
         """The compiled sum: per token, fp32 in slot order, one rounding (csrc/moe.c)."""
         return combine_native(self.kernels, y, rows, weights, shared)
+
+    def rotary_table(
+        self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None
+    ) -> RotaryTable:
+        """Tables from the portable kernels (our own pow / sin / cos): the same bits on every CPU."""
+        return RotaryTable(head_dim, theta, max_positions, scaling, kernels=self.kernels)
+
+    def log_softmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """`ops.portable.log_softmax_rows` with this backend's kernels: the sampler's function."""
+        return log_softmax_rows(logits, self.kernels)
 
 
 class TorchBackend:
@@ -252,6 +280,16 @@ class TorchBackend:
         self, y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, shared: SharedExpert | None
     ) -> torch.Tensor:
         return combine_torch(y, rows, weights, shared)
+
+    def rotary_table(
+        self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None
+    ) -> RotaryTable:
+        """torch's pow / cos / sin (ISA-dispatched)."""
+        return RotaryTable(head_dim, theta, max_positions, scaling)
+
+    def log_softmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """torch.log_softmax in fp32 (ISA-dispatched)."""
+        return torch.log_softmax(logits.to(torch.float32), dim=-1)
 
 
 def split_heads(

@@ -36,11 +36,13 @@ from deterministic_inference.server.errors import as_api_error, install_error_ha
 from deterministic_inference.server.formatting import json_response
 from deterministic_inference.server.metrics import ServerMetrics
 from deterministic_inference.server.middleware import AuthMetricsMiddleware
-from deterministic_inference.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from deterministic_inference.server.protocol import ChatCompletionRequest, CompletionRequest
+from deterministic_inference.server.protocol_generate import GenerateRequest
 from deterministic_inference.server.serving import ServingContext, created_now
 from deterministic_inference.server.serving_chat import create_chat_completion
 from deterministic_inference.server.serving_completions import create_completion
 from deterministic_inference.server.serving_generate import generate
+from deterministic_inference.server.weights_route import add_weight_update
 
 DEFAULT_MAX_WAITING = 256
 STREAMED: dict[str, type[BaseModel]] = {  # path -> the model of each streamed event
@@ -107,6 +109,7 @@ def create_app(
     app.state.stopped_cleanly = False
     install_error_handlers(app)
     _add_routes(app, ctx)
+    add_weight_update(app, ctx)  # POST /update_weights and its gate (before the auth middleware)
     _publish_schema(app, secured=settings.api_key is not None)
     app.add_middleware(AuthMetricsMiddleware, api_key=settings.api_key, metrics=metrics)
     return app
@@ -141,6 +144,16 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     )
     async def flush_cache() -> Response:
         """Drop every prefix-cache block no running request holds."""
+        return await _guarded(_flush_cache(ctx))
+
+    @app.post(
+        "/reset_prefix_cache",
+        response_model=schemas.FlushResult,
+        responses=schemas.error_responses(401, 503),
+        tags=["admin"],
+    )
+    async def reset_prefix_cache() -> Response:
+        """vLLM's name for /flush_cache: drop every prefix-cache block no running request holds."""
         return await _guarded(_flush_cache(ctx))
 
     @app.get(

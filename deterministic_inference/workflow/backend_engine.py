@@ -26,6 +26,8 @@ class BackendResult:
     activation_tensors: dict[str, Any] | None = None
     engine_trace: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
+    shards: list[dict[str, Any]] | None = None  # sharded runs: each shard's requests, attempts, hardware
+    hardware: dict[str, Any] | None = None  # the hardware class the engines ran on, when not this process's
 
 
 def sampling_params_for(request: dict[str, Any], logprobs: int | None) -> Any:

@@ -38,6 +38,8 @@ class RunOptions:
     base_url: str | None = None  # run against this OpenAI-compatible endpoint instead
     verify_artifact_digests: bool = True
     lock_path: Path | None = None  # default: next to the manifest
+    ray_address: str | None = None  # split the requests over Ray actors (``local``: a local instance)
+    shards: int | None = None  # how many (default scaleout.shards.DEFAULT_SHARDS)
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,9 @@ def run_manifest(path: Path, options: RunOptions, log: TextIO | None = None) -> 
         if offline and not network.url_is_loopback(base_url):
             raise WorkflowError(f"--base-url {base_url}: network_policy offline_required allows "
                                 "only loopback endpoints; set runtime.network_policy to online_allowed")
+    _check_ray_options(options, backend, offline)
     with applied_env(data["runtime"]["env"]), network.offline_guard() if offline else nullcontext():
-        result = _execute(backend, base_url, prepared)
+        result = _execute(backend, base_url, prepared, options, out)
     for warning in result.warnings:
         print(f"warning: {warning}", file=out)
     run = compute_run_id(manifest.manifest_id, prepared.lock["lock_id"], prepared.requests_digest,
@@ -98,6 +101,12 @@ def prepare(manifest: Manifest, options: RunOptions, out: TextIO) -> Prepared:
                             "the locked "
                             f"{lock['dataset']['digest']}; restore the file or run `detinf lock` again")
     location = artifacts.locate_model(data["model"]["source"], manifest.base_dir)
+    locked_commit = lock["model"].get("commit")
+    if locked_commit is not None and location.commit != locked_commit:
+        raise WorkflowError(f"$.model.source.revision: {data['model']['source']['revision']} now resolves "
+                            f"to commit {location.commit} in the Hugging Face cache, the lock has "
+                            f"{locked_commit}; "
+                            "pin the locked commit as the revision or run `detinf lock` again")
     root = location.root
     locked_files = [root / entry["path"] for entry in lock["model"]["files"]] if root else []
     if options.verify_artifact_digests:
@@ -158,7 +167,25 @@ def applied_env(env: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _execute(backend: str, base_url: str | None, prepared: Prepared) -> BackendResult:
+def _check_ray_options(options: RunOptions, backend: str, offline: bool) -> None:
+    if options.ray_address is None:
+        if options.shards is not None:
+            raise WorkflowError("--shards: needs --ray-address (ADDR, or `local` for a local Ray instance)")
+        return
+    if options.shards is not None and options.shards < 1:
+        raise WorkflowError(f"--shards: {options.shards} must be >= 1")
+    if backend == "openai_compatible":
+        raise WorkflowError("--ray-address: shards run the embedded engine; drop --base-url (or the "
+                            "manifest's openai_compatible backend) or drop --ray-address")
+    host = options.ray_address.rsplit(":", 1)[0]
+    if offline and options.ray_address != "local" and not network.is_loopback_host(host):
+        raise WorkflowError(f"--ray-address {options.ray_address}: network_policy offline_required allows "
+                            "only a loopback or `local` Ray instance; set runtime.network_policy to "
+                            "online_allowed")
+
+
+def _execute(backend: str, base_url: str | None, prepared: Prepared, options: RunOptions,
+             out: TextIO) -> BackendResult:
     data = prepared.manifest.data
     if backend == "openai_compatible":
         from deterministic_inference.workflow.backend_http import run_http
@@ -166,6 +193,13 @@ def _execute(backend: str, base_url: str | None, prepared: Prepared) -> BackendR
         return run_http(data, str(base_url), prepared.requests)
     if prepared.location.root is None:
         raise WorkflowError("$.model.source: a remote model needs --base-url (backend openai_compatible)")
+    if options.ray_address is not None:
+        from deterministic_inference.scaleout.shards import DEFAULT_SHARDS, run_sharded
+
+        digests = [entry["digest"] for entry in prepared.lock["model"]["files"]]
+        locked = (prepared.locked_files, digests if options.verify_artifact_digests else [])
+        return run_sharded(data, prepared.location, prepared.requests, locked, options.ray_address,
+                           DEFAULT_SHARDS if options.shards is None else options.shards, out)
     from deterministic_inference.workflow.backend_engine import run_embedded
 
     return run_embedded(data, prepared.location, prepared.requests, prepared.locked_files)
@@ -216,6 +250,7 @@ def _run_log(prepared: Prepared, result: BackendResult, options: RunOptions, bac
         "base_url": base_url if backend == "openai_compatible" else None,
         "cli_overrides": {"base_url": options.base_url, "output_dir": str(options.output_dir or "") or None,
                           "verify_artifact_digests": options.verify_artifact_digests},
+        **({"ray_address": options.ray_address, "shards": result.shards} if result.shards else {}),
         "batch_trace": result.batch_trace,
         "determinism_controls": {
             "engine": data["engine"], "batching": data["inference"]["batching"],
@@ -234,7 +269,9 @@ def _run_log(prepared: Prepared, result: BackendResult, options: RunOptions, bac
 
 
 def _bundle_record(prepared: Prepared, result: BackendResult, run: str) -> dict[str, Any]:
-    hardware = fingerprint.hardware_fingerprint() if result.backend == "embedded" else None
+    hardware = result.hardware
+    if hardware is None and result.backend == "embedded":
+        hardware = fingerprint.hardware_fingerprint()
     return {
         "schema_version": 1,
         "kind": "detinf.run",

@@ -1,7 +1,7 @@
 """The metrics reference page, rendered from the server's own exposition text (see gen_reference.py).
 
-`ServerMetrics.render` is called on an empty engine snapshot: every metric is written whatever its
-value, so its `# HELP` and `# TYPE` lines list them all.
+`ServerMetrics.render` (prometheus_client's exposition) is called on an empty engine snapshot: every
+metric family is written whatever its value, so its `# HELP` and `# TYPE` lines list them all.
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ def metric_families() -> list[tuple[str, str, str]]:
     """(name, type, help) of every metric family, in exposition order."""
     from deterministic_inference.server.metrics import ServerMetrics
 
-    text = ServerMetrics().render({}, ready=True)
+    metrics = ServerMetrics(
+        model_name=lambda: "model", engine_stats=dict, ready=lambda: True, fingerprint=lambda: "fingerprint"
+    )
+    text = metrics.render().decode("utf-8")
     helps: dict[str, str] = {}
     families: list[tuple[str, str, str]] = []
     for line in text.splitlines():
@@ -32,6 +35,8 @@ def metric_families() -> list[tuple[str, str, str]]:
             helps[name] = help_text
         elif line.startswith("# TYPE "):
             name, _, kind = line[len("# TYPE ") :].partition(" ")
+            if name.endswith("_created"):  # prometheus_client's creation-time series of a counter
+                continue
             families.append((name, kind, helps.get(name, "")))
     return families
 

@@ -85,6 +85,11 @@ class TrainableBackend:
         self.native = native
         self.numerics: Numerics = native.numerics
 
+    @property
+    def portable(self) -> bool:
+        """The native backend's kernels compute the forward: as portable as they are."""
+        return self.native.portable
+
     def linear(self, weight: LinearWeight, bias: torch.Tensor | None = None) -> Linear:
         return TrainableLinear(self.native, _tensors(weight), bias, head=False)
 

@@ -74,7 +74,9 @@ class Policy(nn.Module):
         backend = select_backend(self.numerics)  # the engine's choice of kernels for these numerics
         self._trainable = isinstance(backend, NativeBackend)
         # the kernels with a backward pass; plain torch ops are differentiable as they are
-        self._ops: OpsBackend = TrainableBackend(backend) if isinstance(backend, NativeBackend) else backend
+        self._ops: OpsBackend = backend
+        if isinstance(backend, NativeBackend):
+            self._ops = TrainableBackend(backend)
         for name, weight in apply_quantization(loaded.weights, config.quantization, dtype).items():
             if not isinstance(weight, torch.Tensor):
                 raise ConfigError(

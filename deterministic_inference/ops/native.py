@@ -1,5 +1,6 @@
-"""The compiled kernels (ops/csrc/*.c: attention, RMSNorm, silu_mul, rotary + KV write, the bf16 GEMM),
-built with the system C compiler on first use.
+"""The compiled kernels (ops/csrc/*.c: attention, RMSNorm, silu_mul, rotary + KV write, the bf16, fp32
+and quantized GEMMs, the sampler's row ops and the rotary tables), built with the system C compiler on
+first use, for the -march that $DETINF_KERNEL_MARCH names (native by default).
 
 The shared library is cached under `$DETINF_CACHE_DIR` (default `~/.cache/deterministic-inference`)
 in a file named by the sha256 of the source, the flags and the compiler's version, so a change to any

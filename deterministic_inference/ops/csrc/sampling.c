@@ -41,20 +41,25 @@ INLINE float row_max(const float *x, int64_t n, int *has_nan) {
     return best;
 }
 
-/* sum over i of exp(x[i] - max) in the lane order above; with `out`, the terms are stored there too. */
-INLINE float exp_sum(const float *x, int64_t n, float max, float *out) {
-    float lanes[LANES] = {0};
+/* exp(x[i] - max) for the 16 elements of one block, into terms[]: a fixed-width block the compiler maps
+   onto vector registers (16 lanes, or 2 x 8, 4 x 4: the same per-element operations). */
+INLINE void block_terms(const float *x, float max, float *terms) {
+    for (int l = 0; l < LANES; l++) terms[l] = pm_expf(x[l] - max);
+}
+
+/* sum over i of exp(x[i] - max): element i added to lane i % 16 in ascending order, then lane_tree;
+   with `out` (store = 1), the terms are stored there too. */
+INLINE float exp_sum(const float *x, int64_t n, float max, float *out, int store) {
+    float lanes[LANES] = {0}, terms[LANES];
     int64_t base = 0;
     for (; base + LANES <= n; base += LANES) {
-        for (int l = 0; l < LANES; l++) {
-            const float term = pm_expf(x[base + l] - max);
-            if (out != NULL) out[base + l] = term;
-            lanes[l] = lanes[l] + term;
-        }
+        block_terms(x + base, max, terms);
+        for (int l = 0; l < LANES; l++) lanes[l] = lanes[l] + terms[l];
+        if (store) memcpy(out + base, terms, sizeof terms);
     }
     for (int l = 0; base + l < n; l++) {
         const float term = pm_expf(x[base + l] - max);
-        if (out != NULL) out[base + l] = term;
+        if (store) out[base + l] = term;
         lanes[l] = lanes[l] + term;
     }
     return lane_tree(lanes);
@@ -72,7 +77,7 @@ static void log_softmax_row(const float *x, int64_t n, float *out) {
         fill_nan(out, n);
         return;
     }
-    const float log_sum = (float)pm_log((double)exp_sum(x, n, max, NULL));
+    const float log_sum = (float)pm_log((double)exp_sum(x, n, max, out, 1)); /* terms overwritten below */
     for (int64_t i = 0; i < n; i++) out[i] = (x[i] - max) - log_sum;
 }
 
@@ -84,7 +89,7 @@ static void softmax_row(const float *x, int64_t n, float *out) {
         fill_nan(out, n);
         return;
     }
-    const float sum = exp_sum(x, n, max, out);
+    const float sum = exp_sum(x, n, max, out, 1);
     for (int64_t i = 0; i < n; i++) out[i] = out[i] / sum;
 }
 

@@ -32,7 +32,7 @@ from deterministic_inference.errors import DetinfError
 _CSRC = Path(__file__).parent / "csrc"
 _QUANT = ("act", "unpack", "unpack512", "gemv512", "kernels", "kernels256", "gemm", "convert")  # ops/quant.py
 QUANT_SOURCES = tuple(_CSRC / f"quant_{name}.c" for name in _QUANT)
-SOURCES = (_CSRC / "attention.c", _CSRC / "rowwise.c", _CSRC / "gemm.c", *QUANT_SOURCES)  # compiled together
+SOURCES = (_CSRC / "attention.c", _CSRC / "rowwise.c", _CSRC / "gemm.c", *QUANT_SOURCES, _CSRC / "decoder.c")
 HEADERS = (_CSRC / "common.h", _CSRC / "quant.h", _CSRC / "quant512.h")  # included; part of the digest
 # -fopenmp: rows are shared out between OpenMP threads. torch is imported first and has loaded its own
 # libgomp.so.1, which the kernels' libgomp.so.1 dependency then resolves to: one thread pool, sized by

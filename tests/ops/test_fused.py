@@ -5,8 +5,8 @@ alone) run through `DecoderModel.forward` with the fused path and with the per-o
 empty caches: the final hidden states of every step and the whole KV caches afterwards must be equal bit
 for bit. Models: a tiny Q4_K_M-style mixed GGUF (bf16 and fp32), a tiny Qwen2 with q/k/v biases on the
 bf16 GEMM, and the embedded default model (Q4_1 layers). Negative control: the fused path with the
-quantized GEMM's activation scales taken over the whole batch (a test hook) must be detected. Models the fast path does not
-serve (Qwen3's q/k norms; fp32 dense weights on oneDNN) must fall back to the per-op path.
+quantized GEMM's activation scales taken over the whole batch (a test hook) must be detected. Models the
+fast path does not serve (Qwen3's q/k norms; fp32 dense weights on oneDNN) take the per-op path.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from deterministic_inference.model.moe import GatedMLP, MoEBlock
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata
 from deterministic_inference.ops.backend import KVCache, Numerics, OpsBackend, select_backend, split_heads
+from deterministic_inference.ops.fused import FusedDecoder
 from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.probes import BlockProbe, dtype_name
 from deterministic_inference.ops.rope import RotaryTable
@@ -121,6 +122,8 @@ class DecoderModel:
         self.ops = ops if ops is not None else select_backend(numerics)
         self.embed = self.ops.embedding(weights["model.embed_tokens.weight"])  # [vocab, hidden]
         self.layers = [DecoderLayer(spec, weights, i, self.ops) for i in range(spec.num_layers)]
+        # every layer of a step in one C call when the layers allow it (the same bits: ops/fused.py)
+        self.fused = FusedDecoder.build(getattr(self.ops, "kernels", None), self.layers)
         self.final_norm = dense(weights["model.norm.weight"], numerics.dtype)
         head = weights["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
         # Logits in fp32 whatever the model dtype: fp32 sums of the model-dtype weight and hidden state.
@@ -166,10 +169,16 @@ class DecoderModel:
         meta: AttentionMetadata,
         kv_caches: list[KVCache],
         layer_hook: LayerHook | None = None,
+        fused: bool = True,
     ) -> torch.Tensor:
-        """-> final-normed hidden states [T, hidden] in the model dtype."""
+        """-> final-normed hidden states [T, hidden] in the model dtype. `fused=False` forces the per-op
+        path (the fused one gives the same bits; tests compare them); a layer hook always takes it."""
         hidden = self.embed(input_ids)  # [T, hidden]
         pending: torch.Tensor | None = None
+        if fused and layer_hook is None and self.fused is not None:
+            hidden, pending = self.fused(hidden, positions, meta, kv_caches, self.rotary)
+            hidden, _ = self.ops.add_rms_norm(hidden, pending, self.final_norm, self.spec.rms_norm_eps)
+            return hidden
         for index, layer in enumerate(self.layers):
             hidden, pending = layer(hidden, pending, positions, meta, kv_caches[index], self.rotary)
             if layer_hook is not None:

@@ -143,6 +143,16 @@ class Linear:
         self.backend = "mkldnn" if use_mkldnn else "aten"
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None) if use_mkldnn else None
 
+    @property
+    def quant_linear(self) -> QuantLinear | None:
+        """The quantized GEMM this linear runs on (backend "quant"), else None."""
+        return self._quant
+
+    @property
+    def native_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(packed bf16 weight, fp32 bias or None) of the native bf16 GEMM (backend "native"), else None."""
+        return None if self._native is None else self._native[1:]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [M, in] -> [M, out] in `out_dtype`."""
         if self._quant is not None:

@@ -35,9 +35,9 @@ _QUANT = ("act", "unpack", "unpack512", "gemv512", "kernels", "kernels256", "gem
 QUANT_SOURCES = tuple(_CSRC / f"quant_{name}.c" for name in _QUANT)
 # portable numerics (ops/portable.py): the sampler's arithmetic, rotary tables, the fp32 GEMM
 PORTABLE_SOURCES = (_CSRC / "sampling.c", _CSRC / "rotary_tables.c", _CSRC / "gemm_f32.c")
-SOURCES = (  # compiled together
+SOURCES = (  # compiled together; decoder.c is the decode fast path (ops/fused.py)
     _CSRC / "attention.c", _CSRC / "rowwise.c", _CSRC / "gemm.c", _CSRC / "moe.c", *QUANT_SOURCES,
-    *PORTABLE_SOURCES,
+    *PORTABLE_SOURCES, _CSRC / "decoder.c",
 )  # fmt: skip
 # included; part of the digest
 HEADERS = (_CSRC / "common.h", _CSRC / "quant.h", _CSRC / "quant512.h", _CSRC / "portable_math.h")

@@ -115,20 +115,21 @@ class FusedDecoder:
     @classmethod
     def build(cls, kernels: NativeKernels | None, layers: Sequence[DecoderLayer]) -> FusedDecoder | None:
         """The fused decoder of `layers`, or None when any layer needs the per-op path."""
+        from deterministic_inference.model.moe import GatedMLP  # the model package builds on ops
+
         if kernels is None or not layers or layers[0].spec.head_dim > 1024:
             return None
         structs = (_Layer * len(layers))()
         for index, layer in enumerate(layers):
-            dtype = layer.ops.numerics.dtype
+            dtype, mlp = layer.ops.numerics.dtype, layer.mlp
             if (
                 layer.ops.name != "native"
                 or layer.q_norm is not None
+                or not isinstance(mlp, GatedMLP)  # mixture-of-experts layers take the per-op path
                 or dtype not in (torch.float32, torch.bfloat16)
             ):
                 return None
-            linears = [
-                _linear_struct(lin, dtype) for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-            ]
+            linears = [_linear_struct(lin, dtype) for lin in (layer.qkv, layer.o_proj, mlp.gate_up, mlp.down)]
             if any(lin is None for lin in linears):
                 return None
             structs[index] = _Layer(

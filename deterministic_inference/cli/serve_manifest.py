@@ -41,14 +41,17 @@ def extend_serve(subparsers: Any) -> None:
 
     def serve_with_config(args: argparse.Namespace) -> int:
         if args.config is None:
+            _refuse_gpu_options(args, "without --config")
             _fill_listen(args, listen)
             return int(original(args))
         from deterministic_inference.workflow.manifest import GPU_BACKENDS, load_manifest
         from deterministic_inference.workflow.network import offline_guard
         from deterministic_inference.workflow.serve_config import apply_manifest
 
-        if load_manifest(args.config).data["runtime"]["execution"]["backend"] in GPU_BACKENDS:
+        backend = load_manifest(args.config).data["runtime"]["execution"]["backend"]
+        if backend in GPU_BACKENDS:
             return serve_gpu(args)
+        _refuse_gpu_options(args, f"with backend {backend!r}")
         policy, env = apply_manifest(args)
         _fill_listen(args, listen)
         with _process_env(env), offline_guard() if policy == "offline_required" else contextlib.nullcontext():
@@ -89,6 +92,15 @@ def serve_gpu(args: argparse.Namespace) -> int:
           f"(`detinf run --config {args.config}` and `detinf audit --base-url {plan.base_url}` reach it)",
           file=sys.stderr)
     return 0
+
+
+def _refuse_gpu_options(args: argparse.Namespace, context: str) -> None:
+    from deterministic_inference.errors import WorkflowError
+
+    for name in ("image", "pull", "dry_run", "compose_file"):
+        if getattr(args, name):
+            raise WorkflowError(f"--{name.replace('_', '-')}: only for manifests whose "
+                                f"runtime.execution.backend is vllm or sglang, not {context}; remove it")
 
 
 def _fill_listen(args: argparse.Namespace, defaults: dict[str, Any]) -> None:

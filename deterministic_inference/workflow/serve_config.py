@@ -63,6 +63,9 @@ def apply_manifest(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
     }
     for name, value in settings.items():
         setattr(args, name, value)
+    source = data["model"]["source"]
+    if args.served_model_name is None:  # the name `detinf run` asks for (else it takes the served one)
+        args.served_model_name = data["runtime"]["execution"]["model"] or source.get("repo")
     _listen_from_base_url(args, data["runtime"]["execution"]["base_url"])
     return str(data["runtime"]["network_policy"]), dict(data["runtime"]["env"])
 

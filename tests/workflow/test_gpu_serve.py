@@ -179,3 +179,8 @@ def test_run_drives_the_engine_endpoint(hf_env: tuple[str, dict[str, str]], tmp_
     log = read_json(tmp_path / "run" / "run_log.json")
     assert read_json(tmp_path / "run" / "bundle.json")["backend"] == "openai_compatible"
     assert len(read_json(tmp_path / "run" / "tokens.json")["sequences"]) == 2 and log
+
+
+def test_gpu_options_without_a_gpu_backend_are_refused(tiny_manifest: Path) -> None:
+    result = detinf("serve", "--config", tiny_manifest, "--dry-run")
+    assert result.code == 2 and "--dry-run" in result.err and "'embedded'" in result.err

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from deterministic_inference.workflow.hf_cache import hub_cache_dir
@@ -66,6 +67,7 @@ def test_seed_quick_start_verbatim(hf_env: tuple[str, dict[str, str]], tmp_path:
                                    "configs/my-model.json"], cwd=work, env=env, stdout=handle, stderr=handle)
     try:
         wait_healthy(base_url, process=server)
+        assert httpx.get(base_url + "/v1/models", timeout=10).json()["data"][0]["id"] == REPO
         # 6) run --config alone writes runs/<run_id>/ (twice, and once without digest checks)
         _ok(_cli(work, env, "run", "--config", "configs/my-model.json"))
         _ok(_cli(work, env, "run", "--config", "configs/my-model.json"))

@@ -3,6 +3,7 @@
     python -m bench.make_gguf --out /tmp/llama1b-q4_0.gguf --qtype Q4_0
     python -m bench.make_gguf --out /tmp/small.gguf --qtype Q4_K_M --hidden 256 --layers 2 --heads 4 \
         --kv-heads 2 --ffn 512
+    python -m bench.make_gguf --out /tmp/moe-q4_0.gguf --qtype Q4_0 --experts 8 --experts-used 2 --ffn 2048
 
 The default shape is Llama-3.2-1B's (hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192, tied
 embeddings, rope base 500000) with the default model's tokenizer (every `tokenizer.*` key copied from
@@ -13,6 +14,10 @@ F32), or the mixes Q4_K_M / Q5_K_M (see `format_plan`). The 32-value formats are
 `gguf` package, the K-quants by `bench.kquants`. Weights are Gaussian (std 0.02, norms 1 + 0.1 noise),
 drawn per tensor from a generator seeded by (seed, tensor name): the same arguments give the same
 bytes. Tensors are generated and written one at a time, so memory stays at about one tensor.
+
+`--experts N --experts-used K` makes a Mixtral-style mixture of experts (llama.cpp's layout: arch
+`llama` with `llama.expert_count` / `expert_used_count`, an F32 router `ffn_gate_inp` [N, hidden] and 3-D
+stacks `ffn_{gate,up,down}_exps` [N, ffn, hidden] in the chosen format; `--ffn` is each expert's width).
 
 The API is meant to be extended (e.g. an MoE variant): `llama_tensors` and `llama_metadata` give the
 plain Llama parts, `write_gguf` writes any list of `TensorSpec` with any metadata.
@@ -59,6 +64,8 @@ class LlamaShape:
     rope_theta: float = 500000.0
     rms_eps: float = 1e-5
     tie_embeddings: bool = True
+    experts: int = 0  # > 0: a mixture of experts (Mixtral layout), each expert `ffn` wide
+    experts_used: int = 0  # experts per token
 
     @property
     def dim(self) -> int:
@@ -76,6 +83,12 @@ class LlamaShape:
             raise ValueError(f"--hidden {self.hidden} must be a multiple of --heads {self.heads}")
         if self.dim % 2:
             raise ValueError(f"the head width {self.dim} must be even (rotary pairs)")
+        if self.experts < 0 or (self.experts and not 1 <= self.experts_used <= self.experts):
+            raise ValueError(
+                f"--experts-used {self.experts_used} must be between 1 and --experts {self.experts}"
+            )
+        if self.experts_used and not self.experts:
+            raise ValueError("--experts-used needs --experts")
 
 
 @dataclass(frozen=True)
@@ -112,7 +125,8 @@ def format_plan(qtype: str, layers: int, tie_embeddings: bool) -> FormatPlan:
             return qtype
         if name == "output.weight" or (name == "token_embd.weight" and tie_embeddings):
             return "Q6_K"
-        if name in ("attn_v.weight", "ffn_down.weight") and layer >= 0 and use_more_bits(layer, layers):
+        down = ("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")
+        if name in down and layer >= 0 and use_more_bits(layer, layers):
             return "Q6_K"
         return qtype[:4]
 
@@ -121,7 +135,7 @@ def format_plan(qtype: str, layers: int, tie_embeddings: bool) -> FormatPlan:
 
 def llama_tensors(shape: LlamaShape, vocab: int, plan: FormatPlan) -> list[TensorSpec]:
     """The tensors of a Llama model in llama.cpp's names and order, formats from `plan`."""
-    hidden, ffn, dim = shape.hidden, shape.ffn, shape.dim
+    hidden, dim = shape.hidden, shape.dim
     specs = [TensorSpec("token_embd.weight", (vocab, hidden), plan(-1, "token_embd.weight"))]
     specs.append(TensorSpec("output_norm.weight", (hidden,), "F32", 0.1, 1.0))
     if not shape.tie_embeddings:
@@ -130,19 +144,34 @@ def llama_tensors(shape: LlamaShape, vocab: int, plan: FormatPlan) -> list[Tenso
         ("attn_norm.weight", (hidden,)), ("attn_q.weight", (shape.heads * dim, hidden)),
         ("attn_k.weight", (shape.kv_heads * dim, hidden)), ("attn_v.weight", (shape.kv_heads * dim, hidden)),
         ("attn_output.weight", (hidden, shape.heads * dim)), ("ffn_norm.weight", (hidden,)),
-        ("ffn_gate.weight", (ffn, hidden)), ("ffn_up.weight", (ffn, hidden)),
-        ("ffn_down.weight", (hidden, ffn)),
+        *_mlp_tensors(shape),
     )  # fmt: skip
     for layer in range(shape.layers):
         for name, dims in per_layer:
             norm = name.endswith("norm.weight")
             scale, offset = (0.1, 1.0) if norm else (0.02, 0.0)
-            specs.append(TensorSpec(f"blk.{layer}.{name}", dims, plan(layer, name), scale, offset))
+            fmt = "F32" if name == "ffn_gate_inp.weight" else plan(layer, name)  # routers stay F32
+            specs.append(TensorSpec(f"blk.{layer}.{name}", dims, fmt, scale, offset))
     return specs
+
+
+def _mlp_tensors(shape: LlamaShape) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """A layer's MLP tensors: the dense gated MLP, or the router and the 3-D expert stacks."""
+    hidden, ffn, experts = shape.hidden, shape.ffn, shape.experts
+    if not experts:
+        return (
+            ("ffn_gate.weight", (ffn, hidden)), ("ffn_up.weight", (ffn, hidden)),
+            ("ffn_down.weight", (hidden, ffn)),
+        )  # fmt: skip
+    return (
+        ("ffn_gate_inp.weight", (experts, hidden)), ("ffn_gate_exps.weight", (experts, ffn, hidden)),
+        ("ffn_up_exps.weight", (experts, ffn, hidden)), ("ffn_down_exps.weight", (experts, hidden, ffn)),
+    )  # fmt: skip
 
 
 def llama_metadata(shape: LlamaShape, arch: str, qtype: str) -> dict[str, Any]:
     """Hyper-parameter keys (`{arch}.*`) and file-level keys; plain Python values, typed on write."""
+    moe = {f"{arch}.expert_count": shape.experts, f"{arch}.expert_used_count": shape.experts_used}
     return {
         "general.name": f"random-{arch}-{shape.layers}L-{shape.hidden}-{qtype}",
         "general.file_type": FILE_TYPES.get(qtype, 1),
@@ -158,6 +187,7 @@ def llama_metadata(shape: LlamaShape, arch: str, qtype: str) -> dict[str, Any]:
         f"{arch}.rope.dimension_count": shape.dim,
         f"{arch}.rope.freq_base": float(shape.rope_theta),
         f"{arch}.attention.layer_norm_rms_epsilon": float(shape.rms_eps),
+        **(moe if shape.experts else {}),
     }
 
 
@@ -311,6 +341,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     p.add_argument("--rope-theta", type=float, default=defaults.rope_theta)
     p.add_argument("--untied", action="store_true", help="write a separate output.weight")
+    p.add_argument("--experts", type=int, default=0, help="experts per layer (Mixtral-style MoE; 0: dense)")
+    p.add_argument("--experts-used", type=int, default=0, help="experts per token (with --experts)")
     return p.parse_args(argv)
 
 
@@ -319,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = LlamaShape(
         hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn,
         head_dim=args.head_dim, context=args.context, rope_theta=args.rope_theta,
-        tie_embeddings=not args.untied,
+        tie_embeddings=not args.untied, experts=args.experts, experts_used=args.experts_used,
     )  # fmt: skip
     try:
         path = write_llama_gguf(args.out, shape, args.qtype.upper(), args.seed)

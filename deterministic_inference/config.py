@@ -100,11 +100,11 @@ class EngineConfig:
 
 
 def format_classes(weight_formats: dict[str, str]) -> dict[str, str]:
-    """tensor name -> format  =>  tensor class (name without "model.layers.N.") -> "+"-joined sorted
-    formats of that class."""
+    """tensor name -> format  =>  tensor class (name without "model.layers.N." and an expert's index:
+    "mlp.experts.down_proj.weight") -> "+"-joined sorted formats of that class."""
     classes: dict[str, set[str]] = {}
     for name, fmt in weight_formats.items():
-        tensor_class = re.sub(r"^model\.layers\.\d+\.", "", name)
+        tensor_class = re.sub(r"\.experts\.\d+\.", ".experts.", re.sub(r"^model\.layers\.\d+\.", "", name))
         classes.setdefault(tensor_class, set()).add(fmt)
     return {name: "+".join(sorted(formats)) for name, formats in sorted(classes.items())}
 

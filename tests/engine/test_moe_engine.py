@@ -59,6 +59,11 @@ def load_dependent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(MoEBlock, "summation_order", load_dependent_order)
 
 
+# chunked prefill with 8 others and 2 threads; 32 others, 2 threads; 16 others with preemption (the
+# prompt alone runs with 1 thread, unchunked)
+MOE_CASES = [CASES[1], CASES[2], CASES[4]]
+
+
 def target_prompt(loaded: LoadedModel) -> list[int]:
     return random_prompts(1, loaded.spec.vocab_size, seed=7)[0] + list(range(3, 40))
 
@@ -76,7 +81,7 @@ def test_prompt_alone_equals_prompt_in_any_batch(
     alone, _ = run_case(loaded, target, params, Case(0, "first", 512, 1), True, dtype)  # type: ignore[arg-type]
     assert len(alone.token_ids) == GREEDY.max_tokens
     preempted = 0
-    for case in CASES:
+    for case in MOE_CASES:
         result, preemptions = run_case(loaded, target, params, case, True, dtype)  # type: ignore[arg-type]
         preempted += preemptions
         assert result == alone, f"differs in {case}"
@@ -88,9 +93,8 @@ def test_negative_control_load_dependent_expert_order_differs(
 ) -> None:
     target = target_prompt(moe_fp32)
     alone, _ = run_case(moe_fp32, target, GREEDY, Case(0, "first", 512, 1), True, "float32")
-    results = [run_case(moe_fp32, target, GREEDY, case, True, "float32")[0] for case in CASES]
-    differing = [case for case, result in zip(CASES, results, strict=True) if result != alone]
-    assert differing, "a load-dependent expert order gave identical bits everywhere: the tests cannot fail"
+    differs = (run_case(moe_fp32, target, GREEDY, case, True, "float32")[0] != alone for case in MOE_CASES)
+    assert any(differs), "a load-dependent expert order gave identical bits everywhere: the tests cannot fail"
 
 
 def test_selfcheck_probes_moe_and_catches_a_load_dependent_order(
@@ -151,5 +155,5 @@ def test_constructed_router_ties_are_broken_by_index_in_any_batch(
 def test_fingerprint_names_the_expert_formats(moe_q4_0: LoadedModel, tmp_path: Path) -> None:
     numerics = Engine(EngineConfig(selfcheck=False), loaded=moe_q4_0).fingerprint["numerics"]
     formats = numerics["weight_formats"]
-    assert formats["mlp.experts.0.down_proj.weight"] == "q4_0"
+    assert formats["mlp.experts.down_proj.weight"] == "q4_0"  # one class for every expert
     assert formats["mlp.gate.weight"] in ("bf16", "f32")

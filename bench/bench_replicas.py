@@ -5,11 +5,13 @@ Run by hand (not a test), from the repository root:
 
 Starts, one after the other on free loopback ports, and measures each with bench_server's streaming
 client (distinct prompts, ignore_eos, greedy):
-  plain      `detinf serve --threads 2`                  (one process, no Ray)
-  ray-1      `detinf serve --replicas 1 --threads 2`     (the Ray hop: proxy -> router -> replica)
-  ray-2      `detinf serve --replicas 2 --threads 1`     (two replicas sharing the same 2 cores)
+  plain      `detinf serve --threads 1`                  (one process, no Ray)
+  ray-1      `detinf serve --replicas 1 --threads 1`     (the Ray hop: proxy -> router -> replica)
+  ray-2      `detinf serve --replicas 2 --threads 1`     (two replicas, one core each)
+One engine thread each: on a shared, oversubscribed machine two OpenMP threads per engine spin at
+every barrier (a 2-thread plain serve ran at 0.6 tok/s at concurrency 1 under load 15 here).
 Per configuration: the per-request overhead (p50 latency of 1-token requests, concurrency 1), p50
-latency of 64-token requests at concurrency 1, and aggregate tokens/s at concurrency 32.
+latency of --output-len-token requests at concurrency 1, and aggregate tokens/s at concurrency 32.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import httpx
 from bench.bench_server import run_level, start_server
 
 CONFIGS = {
-    "plain": ["--threads", "2"],
-    "ray-1": ["--replicas", "1", "--threads", "2"],
+    "plain": ["--threads", "1"],
+    "ray-1": ["--replicas", "1", "--threads", "1"],
     "ray-2": ["--replicas", "2", "--threads", "1"],
 }
 
@@ -49,8 +51,8 @@ def measure(name: str, extra: list[str], output_len: int, requests: int) -> dict
     try:
         wait_all_replicas(base)
         asyncio.run(run_level(base, 4, 8, 4, 8, seed=99))  # warm-up (both replicas)
-        hop = asyncio.run(run_level(base, 1, 20, 1, 48, seed=1))
-        single = asyncio.run(run_level(base, 1, 8, output_len, 48, seed=2))
+        hop = asyncio.run(run_level(base, 1, 12, 1, 48, seed=1))
+        single = asyncio.run(run_level(base, 1, 4, output_len, 48, seed=2))
         loaded = asyncio.run(run_level(base, 32, requests, output_len, 48, seed=3))
     finally:
         process.send_signal(signal.SIGTERM)
@@ -67,8 +69,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--requests", type=int, default=64, help="requests at concurrency 32")
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=32, help="requests at concurrency 32")
     args = parser.parse_args()
     rows = [measure(name, extra, args.output_len, args.requests) for name, extra in CONFIGS.items()]
     print("\n| config | serve args | 1-token p50 | c=1 p50 (64 tok) | c=1 tok/s | c=32 tok/s | c=32 p50 |")

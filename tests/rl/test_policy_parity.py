@@ -109,7 +109,9 @@ def test_plain_torch_policy_differs(sampled: tuple[Engine, list[Sampled]]) -> No
 def test_default_model_parity() -> None:
     """The default model (SmolLM2-135M, --quantization none, the engine's dtype): chunked prefill of
     mixed prompts in one batch and alone, scored by the policy all at once and one at a time."""
-    engine = Engine(EngineConfig(quantization="none", max_num_batched_tokens=32, num_kv_blocks=64))
+    engine = Engine(
+        EngineConfig(quantization="none", max_num_batched_tokens=32, num_kv_blocks=64, selfcheck=False)
+    )
     texts = ["The capital of France is", "Write a haiku about rivers and the sea, please. " * 5, "1, 2, 3,"]
     prompts = [engine.encode_prompt(text) for text in texts]
     assert len(prompts[1]) > 32  # chunked

@@ -35,14 +35,12 @@ def extend_serve(subparsers: Any) -> None:
     gpu.add_argument("--compose-file", type=Path, default=None,
                      help="where the compose file is written (default: <manifest>.compose.yaml beside it)")
     original = serve.get_default("func")
-    # None = not given: with --config the manifest's runtime.execution.base_url supplies them
+    # with --config, host and port left at these defaults come from runtime.execution.base_url
     listen = {"host": serve.get_default("host"), "port": serve.get_default("port")}
-    serve.set_defaults(host=None, port=None)
 
     def serve_with_config(args: argparse.Namespace) -> int:
         if args.config is None:
             _refuse_gpu_options(args, "without --config")
-            _fill_listen(args, listen)
             return int(original(args))
         from deterministic_inference.workflow.manifest import GPU_BACKENDS, load_manifest
         from deterministic_inference.workflow.network import offline_guard
@@ -52,8 +50,7 @@ def extend_serve(subparsers: Any) -> None:
         if backend in GPU_BACKENDS:
             return serve_gpu(args)
         _refuse_gpu_options(args, f"with backend {backend!r}")
-        policy, env = apply_manifest(args)
-        _fill_listen(args, listen)
+        policy, env = apply_manifest(args, listen)
         with _process_env(env), offline_guard() if policy == "offline_required" else contextlib.nullcontext():
             return int(original(args))
 
@@ -101,12 +98,6 @@ def _refuse_gpu_options(args: argparse.Namespace, context: str) -> None:
         if getattr(args, name):
             raise WorkflowError(f"--{name.replace('_', '-')}: only for manifests whose "
                                 f"runtime.execution.backend is vllm or sglang, not {context}; remove it")
-
-
-def _fill_listen(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
 
 
 @contextlib.contextmanager

@@ -3,8 +3,8 @@
 The manifest and its lock go through the same checks as ``detinf run`` (lock integrity and ownership,
 hardware constraints, dataset and model-file digests, closure), then the serve command's engine options
 are set from the manifest. Numerics the serve options cannot express (tile and KV-block sizes other than
-the engine defaults) are refused rather than served differently. Without --host / --port the server
-listens where ``runtime.execution.base_url`` points (the address `detinf run --config` sends to).
+the engine defaults) are refused rather than served differently. With --host / --port at their defaults the
+server listens where ``runtime.execution.base_url`` points (the address `detinf run --config` sends to).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from deterministic_inference.workflow.run import RunOptions, prepare
 _FIXED_NUMERICS = ("linear_tile_rows", "kv_block_size")
 
 
-def apply_manifest(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
-    """Check the manifest and set the serve options from it; returns (network policy, runtime env)."""
+def apply_manifest(args: argparse.Namespace, listen_defaults: dict[str, Any]) -> tuple[str, dict[str, str]]:
+    """Check the manifest and set the serve options from it (--host / --port still at `listen_defaults`
+    from runtime.execution.base_url); returns (network policy, runtime env)."""
     if args.model is not None:
         raise WorkflowError("--model: give either --config or --model, not both (the manifest pins it)")
     manifest = load_manifest(args.config)
@@ -66,13 +67,13 @@ def apply_manifest(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
     source = data["model"]["source"]
     if args.served_model_name is None:  # the name `detinf run` asks for (else it takes the served one)
         args.served_model_name = data["runtime"]["execution"]["model"] or source.get("repo")
-    _listen_from_base_url(args, data["runtime"]["execution"]["base_url"])
+    _listen_from_base_url(args, data["runtime"]["execution"]["base_url"], listen_defaults)
     return str(data["runtime"]["network_policy"]), dict(data["runtime"]["env"])
 
 
-def _listen_from_base_url(args: argparse.Namespace, base_url: str | None) -> None:
-    """--host / --port not given: listen where the manifest's runtime.execution.base_url points, so
-    `detinf run --config` (which sends its requests there) reaches this server."""
+def _listen_from_base_url(args: argparse.Namespace, base_url: str | None, defaults: dict[str, Any]) -> None:
+    """--host / --port at their defaults: listen where the manifest's runtime.execution.base_url points,
+    so `detinf run --config` (which sends its requests there) reaches this server."""
     if not base_url:
         return
     parts = urlsplit(base_url)
@@ -81,7 +82,7 @@ def _listen_from_base_url(args: argparse.Namespace, base_url: str | None) -> Non
     except ValueError:
         raise WorkflowError(f"$.runtime.execution.base_url: {base_url!r} has a bad port; "
                             "write a URL like http://127.0.0.1:8000") from None
-    if args.host is None and parts.hostname:
+    if args.host == defaults["host"] and parts.hostname:
         args.host = parts.hostname
-    if args.port is None and port is not None:
+    if args.port == defaults["port"] and port is not None:
         args.port = port

@@ -28,7 +28,7 @@ class EngineConfig:
     """All engine settings; construct with keywords, validated on creation."""
 
     model: str | None = None  # GGUF file or HF directory; None = the embedded default model
-    dtype: str = "auto"  # "auto" (bf16 on CPUs with native bf16, else fp32), "float32", "bfloat16"
+    dtype: str = "auto"  # "auto" (invariant: bf16 on every CPU; plain torch: bf16 where native), ...
     quantization: str = "auto"  # weight formats: one of QUANTIZATIONS
     batch_invariant: bool = True  # False = plain torch ops (benchmarks, negative controls)
     linear_tile_rows: int = 4  # GEMM row granularity T: every linear call sees a multiple of T rows
@@ -100,11 +100,11 @@ class EngineConfig:
 
 
 def format_classes(weight_formats: dict[str, str]) -> dict[str, str]:
-    """tensor name -> format  =>  tensor class (name without "model.layers.N.") -> "+"-joined sorted
-    formats of that class."""
+    """tensor name -> format  =>  tensor class (name without "model.layers.N." and an expert's index:
+    "mlp.experts.down_proj.weight") -> "+"-joined sorted formats of that class."""
     classes: dict[str, set[str]] = {}
     for name, fmt in weight_formats.items():
-        tensor_class = re.sub(r"^model\.layers\.\d+\.", "", name)
+        tensor_class = re.sub(r"\.experts\.\d+\.", ".experts.", re.sub(r"^model\.layers\.\d+\.", "", name))
         classes.setdefault(tensor_class, set()).add(fmt)
     return {name: "+".join(sorted(formats)) for name, formats in sorted(classes.items())}
 

@@ -1,16 +1,24 @@
-"""Determinism fingerprint: hardware class, software closure and the engine fingerprint built on them.
+"""Determinism fingerprint: what can change output bits, and what is only recorded.
 
-Outputs are promised bitwise equal only for an equal fingerprint:
+Outputs are promised bitwise equal only for an equal fingerprint. It has two parts:
 
-- `hardware_fingerprint()`: the hardware *class* — architecture, CPU vendor, model name and the ISA
-  features that select GEMM / vector kernels. Core counts, MHz, caches and steppings are left out: they
-  do not change the bits.
-- `software_closure()`: Python, torch (version, build-config digest, MKL / oneDNN versions, the ISA level
-  ATen dispatches to), this package's version, every installed distribution with its version, and the
-  environment variables that change kernel selection. Thread settings are NOT in it: the contract says
-  outputs do not depend on them.
-- `engine_fingerprint(model_digest, numerics)`: the four parts the engine reports; its
-  `system_fingerprint()` is the short string returned as `system_fingerprint` in API responses.
+- what can change bits (`bits_part`): the model digest, the engine numerics (dtype, kernels' sources
+  digest, ops revision, weight formats, `portable`), the digest of the software closure, and — only
+  where a non-portable path is in use (`numerics.portable` false) — the ISA: the numerics then carry
+  `isa` (CPU features and torch's dispatch) and the hardware digest counts too;
+- what is informational (`informational`): the hardware class (CPU model, vendor, ISA flags) and the
+  ISA selection of this process (torch's dispatch level, the kernel-selecting environment, the kernels'
+  -march). In portable numerics (invariant mode: every rounding operation in our kernels, whose bits
+  are fixed by their source) none of these can change a bit, so two CPUs share one fingerprint.
+
+- `hardware_fingerprint()`: the hardware *class* — architecture, CPU vendor, model name and ISA
+  features. Core counts, MHz, caches and steppings are left out.
+- `software_closure()`: Python, torch (version, build-config digest, MKL / oneDNN versions), this
+  package's version and every installed distribution with its version. Thread settings are NOT in it.
+- `isa_selection()`: torch's dispatch level, the environment variables that select torch / MKL /
+  oneDNN kernels, the kernels' -march.
+- `engine_fingerprint(model_digest, numerics, portable)`: both parts; `system_fingerprint()` is the
+  short string of the bits part, returned as `system_fingerprint` in API responses.
 
 Every function computes afresh (nothing is cached); call them once per engine.
 """
@@ -21,6 +29,7 @@ import importlib.metadata
 import os
 import platform
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +73,14 @@ def hardware_fingerprint(cpuinfo_text: str | None = None) -> dict[str, Any]:
     }
 
 
-def software_closure(environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """The software that determines output bits; `environ` defaults to the process environment."""
+def software_closure() -> dict[str, Any]:
+    """The software that determines output bits (see the module docstring)."""
     import torch
 
     from deterministic_inference import __version__
 
-    env = dict(os.environ) if environ is None else environ
-    config_text = torch.__config__.show()
+    # torch's build description names the dispatch level of this process: that line is ISA selection
+    config_text = re.sub(r"(?m)^.*CPU capability usage:.*$", "", torch.__config__.show())
     return {
         "python": {"implementation": platform.python_implementation(), "version": platform.python_version()},
         "torch": {
@@ -79,11 +88,25 @@ def software_closure(environ: dict[str, str] | None = None) -> dict[str, Any]:
             "build_config_digest": "sha256:" + sha256_hex(config_text.encode("utf-8")),
             "mkl": _search(r"Math Kernel Library Version ([^\s]+)", config_text),
             "onednn": _search(r"MKL-DNN v([^\s]+)", config_text),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         },
         "deterministic_inference": __version__,
         "distributions": installed_distributions(),
+    }
+
+
+def isa_selection(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Which ISA this process computes with: torch's dispatch level (ATEN_CPU_CAPABILITY), the
+    kernel-selecting environment variables (never thread counts) and the kernels' -march
+    ($DETINF_KERNEL_MARCH). Informational in portable numerics; part of the numerics otherwise."""
+    import torch
+
+    from deterministic_inference.ops.native import MARCH_ENV
+
+    env = dict(os.environ) if environ is None else environ
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "env": {name: env[name] for name in NUMERIC_ENV_VARS if name in env},
+        "kernel_march": env.get(MARCH_ENV) or "native",
     }
 
 
@@ -115,19 +138,41 @@ def _installation_paths() -> list[str]:
     return kept
 
 
-def engine_fingerprint(model_digest: str, numerics: dict[str, Any]) -> dict[str, Any]:
-    """The engine's fingerprint: model digest, numerics, and digests of software closure and hardware."""
+def engine_fingerprint(model_digest: str, numerics: dict[str, Any], portable: bool) -> dict[str, Any]:
+    """The engine's fingerprint: model digest, numerics (with `portable`, and the ISA when not portable),
+    software closure digest, hardware digest, and the informational details (module docstring)."""
+    hardware, selection = hardware_fingerprint(), isa_selection()
+    numerics = dict(numerics, portable=portable)
+    if not portable:
+        numerics["isa"] = {"cpu": hardware["isa"], "selection": selection}
     return {
         "model": model_digest,
-        "numerics": dict(numerics),
+        "numerics": numerics,
         "software": digest(software_closure()),
-        "hardware": digest(hardware_fingerprint()),
+        "hardware": digest(hardware),  # counts only when numerics.portable is false
+        "informational": {"hardware": hardware, "isa_selection": selection},
     }
 
 
+def is_portable(fp: dict[str, Any]) -> bool:
+    """True when the fingerprint's numerics are portable (older records without the flag: False)."""
+    numerics = fp.get("numerics")
+    return isinstance(numerics, dict) and numerics.get("portable") is True
+
+
+def bits_part(fp: dict[str, Any]) -> dict[str, Any]:
+    """The part of a fingerprint that can change output bits: model, numerics, software, and the
+    hardware digest unless the numerics are portable."""
+    part = {key: fp.get(key) for key in ("model", "numerics", "software")}
+    if not is_portable(fp):
+        part["hardware"] = fp.get("hardware")
+    return part
+
+
 def system_fingerprint(fp: dict[str, Any]) -> str:
-    """Short id of a fingerprint: ``detinf-`` + 16 hex digits of the sha256 of its canonical JSON."""
-    return "detinf-" + sha256_hex(canonical_bytes(fp))[:16]
+    """Short id of a fingerprint's bits part: ``detinf-`` + 16 hex digits of the sha256 of its canonical
+    JSON (equal on two CPUs when the numerics are portable)."""
+    return "detinf-" + sha256_hex(canonical_bytes(bits_part(fp)))[:16]
 
 
 def _read_cpuinfo() -> str:

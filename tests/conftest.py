@@ -46,3 +46,27 @@ def tiny_q4_k_m_gguf(tiny_llama_dir: TinyModel, tmp_path_factory: pytest.TempPat
     from tests.quant_models import write_random_gguf
 
     return write_random_gguf(tiny_llama_dir, tmp_path_factory.mktemp("tiny-q4km") / "tiny-mixed.Q4_K_M.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """Tiny random Qwen3-MoE HF directory (8 experts, top-3, normalized top-k, q/k norms, tied)."""
+    from tests.moe_models import build_moe_hf
+
+    return build_moe_hf(tmp_path_factory.mktemp("tiny-qwen3-moe"), "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """Tiny random Mixtral HF directory (4 experts, top-2; block_sparse_moe names on disk)."""
+    from tests.moe_models import build_moe_hf
+
+    return build_moe_hf(tmp_path_factory.mktemp("tiny-mixtral"), "mixtral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """Tiny random Qwen2-MoE HF directory (4 experts, top-2, a sigmoid-gated shared expert, q/k/v bias)."""
+    from tests.moe_models import build_moe_hf
+
+    return build_moe_hf(tmp_path_factory.mktemp("tiny-qwen2-moe"), "qwen2_moe")

@@ -43,27 +43,43 @@ def test_this_machine_has_a_hardware_class() -> None:
     assert fingerprint.hardware_fingerprint() == fp
 
 
-def test_software_closure_is_stable_and_ignores_threads() -> None:
-    base = fingerprint.software_closure({})
-    assert base == fingerprint.software_closure({"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "2"})
+def test_software_closure_is_stable() -> None:
+    base = fingerprint.software_closure()
+    assert base == fingerprint.software_closure()
     assert base["torch"]["version"].startswith("2.")
     names = [name for name, _ in base["distributions"]]
     assert names == sorted(names) and "torch" in names
     assert is_digest(base["torch"]["build_config_digest"])
+    assert "env" not in base and "cpu_capability" not in base["torch"]  # ISA selection: informational
 
 
-def test_software_closure_records_kernel_env() -> None:
-    changed = fingerprint.software_closure({"ATEN_CPU_CAPABILITY": "avx2"})
-    assert changed["env"] == {"ATEN_CPU_CAPABILITY": "avx2"}
-    assert fingerprint.digest(changed) != fingerprint.digest(fingerprint.software_closure({}))
+def test_isa_selection_records_kernel_env_not_threads() -> None:
+    changed = fingerprint.isa_selection({"ATEN_CPU_CAPABILITY": "avx2", "DETINF_KERNEL_MARCH": "x86-64"})
+    assert changed["env"] == {"ATEN_CPU_CAPABILITY": "avx2"} and changed["kernel_march"] == "x86-64"
+    assert fingerprint.isa_selection({"OMP_NUM_THREADS": "3"}) == fingerprint.isa_selection({})
 
 
 def test_engine_and_system_fingerprint() -> None:
     model = "sha256:" + "ab" * 32
-    fp = fingerprint.engine_fingerprint(model, {"dtype": "float32", "batch_invariant": True})
-    assert set(fp) == {"model", "numerics", "software", "hardware"}
+    fp = fingerprint.engine_fingerprint(model, {"dtype": "float32", "batch_invariant": True}, portable=True)
+    assert set(fp) == {"model", "numerics", "software", "hardware", "informational"}
+    assert fp["numerics"]["portable"] is True and "isa" not in fp["numerics"]
     assert is_digest(fp["software"]) and is_digest(fp["hardware"])
+    assert set(fp["informational"]) == {"hardware", "isa_selection"}
     short = fingerprint.system_fingerprint(fp)
     assert short.startswith("detinf-") and len(short) == len("detinf-") + 16
     assert fingerprint.system_fingerprint(dict(fp, numerics={"dtype": "bfloat16"})) != short
     assert fingerprint.system_fingerprint(fp) == short
+
+
+def test_portable_fingerprint_leaves_the_cpu_out() -> None:
+    """Portable numerics: another CPU (hardware digest, informational details) keeps the system
+    fingerprint; a non-portable path puts the ISA into the numerics and the hardware into the bits."""
+    model = "sha256:" + "cd" * 32
+    portable = fingerprint.engine_fingerprint(model, {"dtype": "bfloat16"}, portable=True)
+    other_cpu = dict(portable, hardware="sha256:" + "0" * 64, informational={})
+    assert fingerprint.system_fingerprint(other_cpu) == fingerprint.system_fingerprint(portable)
+    plain = fingerprint.engine_fingerprint(model, {"dtype": "bfloat16"}, portable=False)
+    assert plain["numerics"]["portable"] is False and set(plain["numerics"]["isa"]) == {"cpu", "selection"}
+    moved = dict(plain, hardware="sha256:" + "0" * 64)
+    assert fingerprint.system_fingerprint(moved) != fingerprint.system_fingerprint(plain)

@@ -68,7 +68,7 @@ def build_tokenizer(vocab_size: int = 300) -> Any:
     return tok
 
 
-def _config(architecture: str, vocab_size: int, tie: bool) -> Any:
+def _config(architecture: str, vocab_size: int, tie: bool, max_positions: int = 512) -> Any:
     import transformers
 
     common: dict[str, Any] = dict(
@@ -79,7 +79,7 @@ def _config(architecture: str, vocab_size: int, tie: bool) -> Any:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-5,
         rope_theta=100000.0,
         tie_word_embeddings=tie,
@@ -133,6 +133,23 @@ def build_hf_model(
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
     return TinyModel(directory, model, architecture)
+
+
+def build_wide_vocab_model(directory: Path, vocab_size: int = 50048, max_positions: int = 8192) -> Path:
+    """A tiny llama whose vocabulary is `vocab_size` (the BPE tokenizer plus added tokens ``<tN>``) and
+    whose context is `max_positions`: for clients that send random token ids up to 50000 (SGLang's
+    determinism script) and prompts of thousands of tokens. Returns the HF directory."""
+    tokenizer = build_tokenizer()
+    base = tokenizer.get_vocab_size(with_added_tokens=True)
+    tokenizer.add_tokens([f"<t{i}>" for i in range(vocab_size - base)])
+    model = _model("llama", _config("llama", vocab_size, True, max_positions), seed=3)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    tok_config = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "add_bos_token": True,
+                  "chat_template": CHATML_TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    return directory
 
 
 def permute_for_gguf(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -19,6 +19,7 @@ import httpx
 from deterministic_inference.errors import DetinfError
 
 MAX_RETRIES_429 = 20
+RESET_PATHS = ("/flush_cache", "/reset_prefix_cache")  # SGLang's (and detinf's), vLLM's
 
 
 class AuditError(DetinfError):
@@ -88,6 +89,7 @@ class AuditClient:
         self._http = httpx.AsyncClient(headers=headers, timeout=endpoint.timeout, limits=limits)
         self.model = endpoint.model or ""
         self.max_model_len: int | None = None
+        self._reset_path: str | None = None  # the prefix-cache reset endpoint that answered
 
     async def __aenter__(self) -> AuditClient:
         await self._discover()
@@ -144,17 +146,43 @@ class AuditClient:
         }
         return completion_sample(await self._post("/completions", body), echoed=True)
 
+    async def generate_ids(
+        self, prompt: str, max_tokens: int
+    ) -> tuple[list[int], list[int], list[Any]] | None:
+        """Greedy completion as (prompt ids, output ids, output logprobs), through vLLM's (and detinf's)
+        `return_token_ids`; None when the server returns no ids."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "logprobs": 0, "return_token_ids": True}
+        choice = (await self._post("/completions", body))["choices"][0]
+        prompt_ids, ids = choice.get("prompt_token_ids"), choice.get("token_ids")
+        if not isinstance(prompt_ids, list) or not isinstance(ids, list):
+            return None
+        return prompt_ids, ids, list((choice.get("logprobs") or {}).get("token_logprobs") or [])
+
+    async def score_ids(self, ids: list[int]) -> list[Any]:
+        """Prompt logprobs of the token ids `ids` (echo, one greedy token after them)."""
+        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "echo": True,
+                "logprobs": 0}
+        choice = (await self._post("/completions", body))["choices"][0]
+        return list((choice.get("logprobs") or {}).get("token_logprobs") or [])[: len(ids)]
+
     async def flush_cache(self) -> bool:
-        """POST /flush_cache; False when the server has no such endpoint."""
-        try:
-            response = await self._http.post(self.endpoint.root + "/flush_cache")
-        except httpx.HTTPError as error:
-            raise AuditError(f"POST /flush_cache failed: {error}") from None
-        if response.status_code in (404, 405):
-            return False
-        if response.status_code >= 400:
-            raise AuditError(f"POST /flush_cache answered {response.status_code}: {response.text[:300]}")
-        return True
+        """Empty the server's prefix cache through whichever endpoint it has: SGLang's (and detinf's)
+        POST /flush_cache, else vLLM's POST /reset_prefix_cache. False when it has neither; the endpoint
+        that answered is remembered for the next call."""
+        paths = [self._reset_path] if self._reset_path else list(RESET_PATHS)
+        for path in paths:
+            try:
+                response = await self._http.post(self.endpoint.root + path)
+            except httpx.HTTPError as error:
+                raise AuditError(f"POST {path} failed: {error}") from None
+            if response.status_code in (404, 405):
+                continue
+            if response.status_code >= 400:
+                raise AuditError(f"POST {path} answered {response.status_code}: {response.text[:300]}")
+            self._reset_path = path
+            return True
+        return False
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         for _ in range(MAX_RETRIES_429):

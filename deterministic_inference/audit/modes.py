@@ -8,6 +8,9 @@ prefix       prompts sharing prefixes of different lengths with the target (pref
 radix        scoring (echo + prompt logprobs) cold, with a cache hit, and after POST /flush_cache
 concurrency  R requests of one prompt at concurrency C
 sampling     temperature > 0 with fixed seeds: each seed stable; different seeds must differ
+p_vs_d       each target's greedy output: the logprob of every decoded token equals the logprob of the
+             same token when prompt + output is scored as one prompt (SGLang's p_vs_d; needs the
+             server to return token ids: vLLM's and detinf's `return_token_ids`)
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 from deterministic_inference.audit.client import AuditClient, Sample
 from deterministic_inference.audit.prompts import TARGET_PROMPTS, long_text, random_prompt
 
-MODES = ("single", "mixed", "prefix", "radix", "concurrency", "sampling")
+MODES = ("single", "mixed", "prefix", "radix", "concurrency", "sampling", "p_vs_d")
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,7 @@ async def run_mode(mode: str, client: AuditClient, settings: AuditSettings) -> l
         "radix": _radix,
         "concurrency": _concurrency,
         "sampling": _sampling,
+        "p_vs_d": _p_vs_d,
     }
     return await runners[mode](client, settings)
 
@@ -156,7 +160,8 @@ async def _prefix(client: AuditClient, s: AuditSettings) -> list[Case]:
         calls.append(partial(client.generate, target, s.max_tokens))
         case.samples.append((await gather_limited(calls, len(calls)))[-1])
     if not flushed:
-        case.notes.append("server has no /flush_cache: the first sample may not be cold")
+        case.notes.append("server has no /flush_cache or /reset_prefix_cache: the first sample may not be "
+                          "cold")
     return [case]
 
 
@@ -176,7 +181,8 @@ async def _radix(client: AuditClient, s: AuditSettings) -> list[Case]:
             cases[1].samples += [await client.score(prompt), await client.score(prompt)]
         if not flushed:
             for case in cases:
-                case.notes.append("server has no /flush_cache: only cache hits were compared")
+                case.notes.append("server has no /flush_cache or /reset_prefix_cache: only cache hits were "
+                                  "compared")
             break
     for case in cases:
         hits = sorted({h for h in (x.cached_tokens for x in case.samples) if h})
@@ -208,6 +214,26 @@ async def _sampling(client: AuditClient, s: AuditSettings) -> list[Case]:
     )
     differ.samples = [case.samples[0] for case in cases if case.samples]
     return [*cases, differ]
+
+
+async def _p_vs_d(client: AuditClient, s: AuditSettings) -> list[Case]:
+    cases = []
+    for index, prompt in enumerate(TARGET_PROMPTS):
+        name = f"p_vs_d: target {index}: decoded logprobs == the same tokens scored as a prompt"
+        case = Case(name, "p_vs_d")
+        cases.append(case)
+        if not client.endpoint.logprobs:
+            case.notes.append("needs logprobs (run without --no-logprobs)")
+            continue
+        decoded = await client.generate_ids(prompt, s.max_tokens)
+        if decoded is None:
+            case.notes.append("the server returned no token ids (return_token_ids): cannot compare")
+            continue
+        prompt_ids, output_ids, values = decoded
+        scored = (await client.score_ids(prompt_ids + output_ids))[len(prompt_ids):]
+        case.samples.append(Sample("", None, [list(pair) for pair in zip(output_ids, values, strict=False)]))
+        case.samples.append(Sample("", None, [list(pair) for pair in zip(output_ids, scored, strict=False)]))
+    return cases
 
 
 def describe(case: Case) -> dict[str, Any]:

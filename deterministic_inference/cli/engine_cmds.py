@@ -15,12 +15,27 @@ def register(subparsers: Any) -> None:
     """Adds `generate`."""
     parser = subparsers.add_parser("generate", help="generate completions for prompts (batched)")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for several")
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--logprobs", type=int, default=None, help="top-k alternatives per step")
+    parser.add_argument(
+        "--max-tokens", type=int, default=16, help="tokens to generate per prompt (default 16)"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens whose "
+        "probability reaches this (default 1.0 = off)"
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=0, help="keep only the k most likely tokens (default 0 = off)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None,
+        help="sampling seed; the same seed gives the same tokens (default: the engine's --default-seed)",
+    )
+    parser.add_argument(
+        "--logprobs", type=int, default=None,
+        help="also return this many top alternatives (with logprobs) per generated token",
+    )
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     add_engine_options(parser)

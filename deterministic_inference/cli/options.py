@@ -23,9 +23,19 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--no-batch-invariant", action="store_true", help="plain torch ops (not reproducible)")
     group.add_argument("--no-prefix-cache", action="store_true", help="disable automatic prefix caching")
-    group.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    group.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
-    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument(
+        "--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
+        help=f"sequences run together in one engine step (default {EngineConfig.max_num_seqs})",
+    )
+    group.add_argument(
+        "--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+        help="tokens processed in one engine step; longer prompts are prefilled in chunks "
+        f"(default {EngineConfig.max_num_batched_tokens})",
+    )
+    group.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="longest sequence (prompt + output) accepted (default: the model's context length)",
+    )
     group.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
     group.add_argument(
         "--kv-cache-memory",

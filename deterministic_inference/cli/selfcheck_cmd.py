@@ -37,8 +37,10 @@ def run_selfcheck_command(args: argparse.Namespace) -> int:
         model=args.model, dtype=args.dtype, quantization=args.quantization, threads=args.threads
     )
     loaded = load_model(config.model, config.quantization)
-    model = build_model(loaded, config, resolve_dtype(config.dtype), 4096)
-    report = run_selfcheck(loaded.spec, model.numerics, config.threads, model.probe_linears())
+    model = build_model(loaded, config, resolve_dtype(config.dtype, config.batch_invariant), 4096)
+    report = run_selfcheck(
+        loaded.spec, model.numerics, config.threads, model.probe_linears(), model.probe_blocks()
+    )
     if args.json:
         print(json.dumps(report.to_dict(), sort_keys=True))
     else:

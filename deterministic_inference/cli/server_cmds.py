@@ -56,7 +56,8 @@ def _register_serve(subparsers: Any) -> None:
         "(default 30)",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+        help="server log verbosity (default info)",
     )
     scale = parser.add_argument_group("replicas (Ray Serve; plain serve never imports Ray)")
     scale.add_argument(

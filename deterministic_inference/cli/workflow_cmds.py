@@ -9,13 +9,12 @@ and returns the exit code. Errors of the package become one line on stderr with 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from deterministic_inference.cli.serve_manifest import extend_serve
 from deterministic_inference.errors import WorkflowError
 
 
@@ -29,7 +28,7 @@ def register(subparsers: Any) -> None:
     _verify(subparsers)
     _bundle(subparsers)
     _inspect(subparsers)
-    _serve_config(subparsers)
+    extend_serve(subparsers)
 
 
 def _config(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +44,12 @@ def _init(subparsers: Any) -> None:
     parser = subparsers.add_parser("init", help="write a manifest (default: the embedded model, greedy)")
     parser.add_argument("--output", required=True, type=Path, help="manifest file to write (.json or .yaml)")
     parser.add_argument("--model", type=Path, default=None, help="GGUF file or HF directory")
+    parser.add_argument("--model-id", default=None,
+                        help="Hugging Face model id ORG/NAME, found offline in the local Hugging Face cache "
+                        "($HF_HUB_CACHE, $HF_HOME/hub or ~/.cache/huggingface/hub); instead of --model")
+    parser.add_argument("--model-revision", default=None,
+                        help="revision of --model-id: a commit hash, or a branch / tag the cache knows "
+                        "(default: main)")
     parser.add_argument("--n-prompts", type=int, default=8, help="reference prompts to run (1-100)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt")
     parser.add_argument("--force", action="store_true", help="overwrite an existing file")
@@ -54,11 +59,18 @@ def _init(subparsers: Any) -> None:
 def cmd_init(args: argparse.Namespace) -> int:
     """`detinf init`."""
     from deterministic_inference.workflow.manifest import load_manifest
-    from deterministic_inference.workflow.scaffold import init_manifest, write_document
+    from deterministic_inference.workflow.scaffold import HubModel, init_manifest, write_document
 
     if args.output.exists() and not args.force:
         raise WorkflowError(f"--output {args.output}: already exists; pass --force to overwrite")
-    document = init_manifest(args.model, args.n_prompts, args.max_tokens)
+    model: Path | HubModel | None = args.model
+    if args.model_id is not None:
+        if args.model is not None:
+            raise WorkflowError("--model-id: give either --model PATH or --model-id ID, not both")
+        model = HubModel(args.model_id, args.model_revision or "main")
+    elif args.model_revision is not None:
+        raise WorkflowError("--model-revision: needs --model-id (the revision of which model?)")
+    document = init_manifest(model, args.n_prompts, args.max_tokens)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     write_document(args.output, document)
     manifest = load_manifest(args.output)
@@ -69,6 +81,15 @@ def cmd_init(args: argparse.Namespace) -> int:
 def _bootstrap(subparsers: Any) -> None:
     parser = subparsers.add_parser("digest-bootstrap", help="fill sha256:unset digests of a manifest")
     _config(parser)
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--in-place", action="store_true",
+                       help="write the filled digests back into --config (the default)")
+    where.add_argument("--output", type=Path, default=None,
+                       help="write the filled manifest to this file instead (next to --config)")
+    parser.add_argument("--replace-existing", action="store_true",
+                        help="re-hash every file, not only the sha256:unset ones")
+    parser.add_argument("--write-lock", action="store_true",
+                        help="then write the lock as `detinf lock` does (next to the manifest)")
     parser.set_defaults(func=cmd_bootstrap)
 
 
@@ -76,11 +97,14 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     """`detinf digest-bootstrap`."""
     from deterministic_inference.workflow.scaffold import digest_bootstrap
 
-    changed = digest_bootstrap(args.config)
+    target = args.output or args.config
+    changed = digest_bootstrap(args.config, args.output, args.replace_existing)
     for line in changed:
         print(line)
-    print(f"{args.config}: {len(changed)} digest(s) "
-          "filled" if changed else f"{args.config}: no unset digests")
+    print(f"{target}: {len(changed)} digest(s) "
+          "filled" if changed else f"{target}: no unset digests")
+    if args.write_lock:
+        _write_lock(target, None)
     return 0
 
 
@@ -93,16 +117,20 @@ def _lock(subparsers: Any) -> None:
 
 def cmd_lock(args: argparse.Namespace) -> int:
     """`detinf lock`."""
+    _write_lock(args.config, args.output)
+    return 0
+
+
+def _write_lock(config: Path, output: Path | None) -> None:
     from deterministic_inference.workflow.lock import create_lock, write_lock
     from deterministic_inference.workflow.manifest import load_manifest
 
-    manifest = load_manifest(args.config)
+    manifest = load_manifest(config)
     _warn(manifest.warnings)
     lock = create_lock(manifest)
-    path = args.output or manifest.default_lock_path()
+    path = output or manifest.default_lock_path()
     write_lock(path, lock)
     print(f"wrote {path} (lock {lock['lock_id']})")
-    return 0
 
 
 def _build(subparsers: Any) -> None:
@@ -139,7 +167,9 @@ def _run(subparsers: Any) -> None:
     parser = subparsers.add_parser("run", help="run a locked manifest and write its run directory")
     _config(parser)
     _lock_option(parser)
-    parser.add_argument("--output-dir", type=Path, default=None, help="run directory (must not exist)")
+    parser.add_argument("--output-dir", "--run-dir", dest="output_dir", type=Path, default=None,
+                        help="run directory (must not exist; default: the manifest's outputs.directory, "
+                        "runs/<run_id> for `init --model-id` manifests)")
     parser.add_argument("--base-url", default=None, help="run against this OpenAI-compatible endpoint")
     parser.add_argument("--no-verify-artifact-digests", action="store_true",
                         help="skip hashing model files before loading (not recommended)")
@@ -184,8 +214,10 @@ def _golden_check(run_dir: Path, manifest_dir: Path) -> int:
 
 def _verify(subparsers: Any) -> None:
     parser = subparsers.add_parser("verify", help="grade two runs (run dirs or bundles) against each other")
-    parser.add_argument("--bundle-a", required=True, type=Path, help="reference run dir or .tar.gz")
-    parser.add_argument("--bundle-b", required=True, type=Path, help="run dir or .tar.gz to check")
+    parser.add_argument("--bundle-a", required=True, type=Path,
+                        help="reference run: a run dir, the bundle.json inside one, or a .tar.gz bundle")
+    parser.add_argument("--bundle-b", required=True, type=Path,
+                        help="run to check: a run dir, the bundle.json inside one, or a .tar.gz bundle")
     parser.add_argument("--output-dir", type=Path, default=Path("."), help="where the report files go")
     parser.set_defaults(func=cmd_verify)
 
@@ -202,7 +234,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _bundle(subparsers: Any) -> None:
     parser = subparsers.add_parser("bundle", help="pack a run directory into a deterministic tar.gz")
-    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--run-dir", required=True, type=Path, help="complete run directory to pack")
     parser.add_argument("--output", required=True, type=Path, help="bundle file (.tar.gz)")
     parser.set_defaults(func=cmd_bundle)
 
@@ -219,7 +251,8 @@ def cmd_bundle(args: argparse.Namespace) -> int:
 
 def _inspect(subparsers: Any) -> None:
     parser = subparsers.add_parser("inspect", help="summarise a manifest, lock, run dir or bundle")
-    parser.add_argument("--input", required=True, type=Path)
+    parser.add_argument("--input", required=True, type=Path,
+                        help="a manifest, lock, run dir, bundle.json, .tar.gz bundle or verify report")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(func=cmd_inspect)
 
@@ -234,38 +267,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         print("\n".join(summary_lines(summary)))
     return 0
-
-
-def _serve_config(subparsers: Any) -> None:
-    """Give `detinf serve` (registered by the server commands) a ``--config MANIFEST`` option: serve what
-    the manifest pins, after the same lock, hardware and artifact-digest checks as `run`."""
-    serve = getattr(subparsers, "choices", {}).get("serve")
-    if serve is None:
-        return
-    serve.add_argument("--config", type=Path, default=None,
-                       help="serve what this manifest pins (checks its lock and artifact digests first)")
-    serve.add_argument("--lock", type=Path, default=None, help="lock of --config (default: next to it)")
-    original = serve.get_default("func")
-
-    def serve_with_config(args: argparse.Namespace) -> int:
-        if args.config is None:
-            return int(original(args))
-        from deterministic_inference.workflow.network import offline_guard
-        from deterministic_inference.workflow.serve_config import apply_manifest
-
-        policy, env = apply_manifest(args)
-        with _process_env(env), offline_guard() if policy == "offline_required" else contextlib.nullcontext():
-            return int(original(args))
-
-    serve.set_defaults(func=serve_with_config)
-
-
-@contextlib.contextmanager
-def _process_env(env: dict[str, str]) -> Iterator[None]:
-    from deterministic_inference.workflow.run import applied_env
-
-    with applied_env(env):
-        yield
 
 
 def _warn(warnings: tuple[str, ...]) -> None:

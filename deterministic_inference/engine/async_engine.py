@@ -22,14 +22,17 @@ and `on_failure` is called so the server can exit for its supervisor to restart 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+import torch
 
 from deterministic_inference.engine.admission import AdmissionLimits
 from deterministic_inference.engine.engine import Engine
@@ -235,6 +238,14 @@ class AsyncEngine:
         if not ok:
             raise value
         return value  # type: ignore[no-any-return]
+
+    async def update_weights(self, weights: Mapping[str, torch.Tensor], param: str = "weights") -> EngineInfo:
+        """`Engine.update_weights` in the engine thread between steps (its errors raised here; the old
+        weights keep serving), then the new fingerprint is published in `info`. It refuses while
+        requests are in flight: the server lets them finish first (server/weights_route.py)."""
+        fingerprint = await self.call(lambda engine: engine.update_weights(weights, param))
+        self.info = dataclasses.replace(self.check_ready(), system_fingerprint=fingerprint)
+        return self.info
 
     def begin_stop(self, timeout: float | None = None) -> None:
         """Stop admitting requests now; in-flight ones may finish for `timeout` seconds (None: until

@@ -13,7 +13,7 @@ consumes the deltas themselves (`step_deltas`).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from deterministic_inference.engine.setup import (
     release_freed_memory,
     resolve_dtype,
 )
+from deterministic_inference.engine.weight_update import swap_weights
 from deterministic_inference.errors import InvalidRequestError
 from deterministic_inference.model.loader import LoadedModel, load_model
 from deterministic_inference.ops.selfcheck import SelfCheckReport, run_selfcheck
@@ -67,7 +68,7 @@ class Engine:
         self.loaded = loaded if loaded is not None else load_model(config.model, config.quantization)
         self.tokenizer = self.loaded.tokenizer
         self.spec = self.loaded.spec
-        self.dtype_name = resolve_dtype(config.dtype)
+        self.dtype_name = resolve_dtype(config.dtype, config.batch_invariant)
         self.max_model_len = min(
             config.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings
         )
@@ -80,12 +81,15 @@ class Engine:
             if config.batch_invariant and config.selfcheck:
                 # Refuse invariant mode on hardware where any op probe differs (names op and shape).
                 self.selfcheck_report = run_selfcheck(
-                    self.spec, self.model.numerics, config.threads, self.model.probe_linears()
+                    self.spec, self.model.numerics, config.threads, self.model.probe_linears(),
+                    self.model.probe_blocks(),
                 )
                 self.selfcheck_report.raise_if_failed()
             self.model_digest = digest.result()
         self.fingerprint = fingerprint.engine_fingerprint(
-            self.model_digest, config.numerics(self.dtype_name, self.model.weight_formats)
+            self.model_digest,
+            config.numerics(self.dtype_name, self.model.weight_formats),
+            portable=self.model.ops.portable,
         )
         self.system_fingerprint = fingerprint.system_fingerprint(self.fingerprint)
         num_blocks = choose_num_kv_blocks(config, self.spec, self.max_model_len, self.dtype_name)
@@ -244,14 +248,27 @@ class Engine:
         """Drop every cached KV block no running request holds; returns how many were dropped."""
         return self.kv.flush()
 
+    def update_weights(self, weights: Mapping[str, torch.Tensor], param: str = "weights") -> str:
+        """Serve `weights` (HF name -> float tensor, e.g. `rl.Policy.engine_weights()`) from now on and
+        return the new system_fingerprint. Only between requests: raises EngineBusyError while any is in
+        flight, InvalidRequestError (naming `param`) when the tensors are not exactly the model's;
+        either way the old weights keep serving. Flushes the prefix cache (`engine/weight_update.py`)."""
+        return swap_weights(self, weights, param)
+
     def stats(self) -> dict[str, Any]:
-        """Counters for metrics: queue sizes, KV blocks, prefix-cache hits."""
+        """Counters for metrics: queue sizes, KV blocks, prefix-cache hits, preemptions, and the
+        invariance mode with the start-up self-check's outcome."""
+        report = self.selfcheck_report
         return {
             "num_waiting": self.scheduler.num_waiting,
             "num_running": self.scheduler.num_running,
+            "num_preemptions": self.scheduler.num_preemptions,
             "kv_blocks_total": self.runner.num_blocks,
             "kv_blocks_used": self.kv.num_used_blocks,
             "prefix_cache": vars(self.kv.stats).copy(),
+            "batch_invariant": self.config.batch_invariant,
+            "selfcheck": None if report is None else {"passed": report.ok, "probes": len(report.results),
+                                                      "seconds": report.seconds},
         }
 
     def release(self, request_id: str) -> None:

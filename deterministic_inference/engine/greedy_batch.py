@@ -2,10 +2,10 @@
 
 Rows that are plain greedy (temperature 0, no penalty that changes a logit) need only argmax + raw
 logprobs + the k best logprobs, and `sampler.sample` computes those for all such rows at once:
-  - one `torch.log_softmax(block, dim=1)`: torch's last-dim kernel runs each row's max / exp-sum / log
-    sequentially over that row only (rows are split across threads, never a row), so every row is bitwise
-    `sampler._row_logprobs` of that row; tests/engine/test_sampler_batched.py checks this bit for bit
-    for several vocab sizes, 1..64 rows and 1 and 2 threads;
+  - one `ops.logprobs.log_softmax_rows(block)` (the one logprob function; its body is the portable
+    kernel of ops/portable.py) computes each row alone, whole, in a source-fixed order, so every row is
+    bitwise `sampler._row_logprobs` of that row; tests/engine/test_sampler_batched.py checks this bit
+    for bit for several vocab sizes, 1..64 rows and 1 and 2 threads;
   - argmax and top-k as a two-level search over blocks of `BLOCK` columns: block maxima (`amax`, exact
     whatever its reduction order), then the exact answer inside the few blocks that can hold it. Ties go to
     the lowest id by construction (torch.argmax returns the first maximal index; top-k orders unique
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from deterministic_inference.engine.sampling_params import SamplingParams
+from deterministic_inference.ops.logprobs import log_softmax_rows
 
 # Columns per block of the two-level argmax / top-k search (any value >= 1 gives the same results; 128
 # keeps both the block maxima [R, V / 128] and the candidate blocks small).
@@ -107,7 +108,7 @@ def greedy_rows(block: torch.Tensor, ks: list[int]) -> list[RowResult | None]:
     best), bitwise what `sampler._sample_row` gives it, or None where the batched search is not exact
     (the caller then uses `sampler._sample_row`). Every op below works on each row alone (see the module
     docstring)."""
-    logprobs = torch.log_softmax(block, dim=1)  # [R, V], row r bitwise sampler._row_logprobs(block[r])
+    logprobs = log_softmax_rows(block)  # [R, V], row r bitwise sampler._row_logprobs(block[r])
     maxima = _block_maxima(block)  # [R, blocks]
     usable = ~torch.isnan(maxima).any(dim=1)  # [R]; NaN logits: the per-row path decides
     tokens = _argmax_rows(block, maxima)  # [R]

@@ -4,10 +4,15 @@ Row independence. The per-row path (`_sample_row`, any params) processes a row o
 with row-wise ops only (penalty gathers, division, log_softmax, softmax, stable sort, cumsum, max); the
 batched greedy path (below) uses ops that reduce along a row only (log_softmax, amax, argmax, topk,
 gather). Nothing reduces across rows, so a row's token and logprob bits do not depend on the other rows,
-their number or the row's position. Thread-count independence: log_softmax, softmax and cumsum run one
-row sequentially (torch parallelizes them over rows, not within one), the other reductions are exact in any
-order (max, argmax with its first-index rule, topk of unique keys), and full-row `sum`/`mean` (which torch
-does split across threads) are never used.
+their number or the row's position.
+
+Portable bits. Every operation here that rounds is either one IEEE operation that every torch kernel
+rounds the same way (+, -, *, / of a tensor and a scalar or another tensor, comparisons, casts), or runs in
+the compiled kernels (`ops/portable.py`: `log_softmax_rows`, `softmax_rows`, `cumsum_rows`, each row alone
+in a source-fixed order with our own exp and log). torch's own log_softmax / softmax dispatch on the CPU's
+ISA (AVX-512, AVX2 and scalar builds round differently), so they never appear on this path; the rest is
+exact whatever the order or the thread count (max, argmax with its first-index rule, topk and sorts of
+unique keys, integer ops). So a row's bits are the same on any x86-64 CPU and for any thread count.
 
 Randomness is counter-based Gumbel-max: the noise of (seed, output position, token id) is an integer hash
 computed with int64 torch ops, mapped to a uniform in (0, 1) and then to Gumbel noise -log(-log(u)) with
@@ -25,8 +30,10 @@ Order of operations per row (documented choice, vLLM/HF semantics):
   4. token = argmax over survivors of (value + gumbel noise), ties -> lowest id.
 
 Logprobs are "raw": log_softmax of the model's fp32 logits row, BEFORE penalties, temperature and
-filters (vLLM's "raw_logprobs"). Decode logprobs therefore equal, bitwise, the prompt logprobs of the same
-sequence scored in one prefill (`prompt_logprobs` uses the same row function): the RL contract.
+filters (vLLM's "raw_logprobs"), always through `ops.portable.log_softmax_rows`, the one function that
+turns logits into logprobs (a trainer's forward pass calls it too, through the ops backend). Decode
+logprobs therefore equal, bitwise, the prompt logprobs of the same sequence scored in one prefill
+(`prompt_logprobs` uses the same row function): the RL contract.
 
 Plain greedy rows take a batched path (`greedy_batch`), and seeded rows without penalties or min-p
 another (`seeded_batch`); both give every row the same bits as `_sample_row`, and rows they cannot prove
@@ -44,6 +51,8 @@ import torch
 from deterministic_inference.engine.greedy_batch import RowResult, greedy_rows, plain_greedy
 from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.engine.seeded_batch import seeded_results
+from deterministic_inference.ops.logprobs import log_softmax_rows
+from deterministic_inference.ops.portable import cumsum_rows, softmax_rows
 
 _M32 = 0xFFFFFFFF
 _LN2 = math.log(2.0)
@@ -145,9 +154,10 @@ def gumbel_at(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Ten
 
 
 def _row_logprobs(row: torch.Tensor) -> torch.Tensor:
-    """log_softmax of one raw logits row in fp32, on its own contiguous copy (shared by `sample` and
-    `prompt_logprobs`, so decode and prompt logprobs of the same logits are bitwise equal)."""
-    return torch.log_softmax(row.to(torch.float32).clone(), dim=0)
+    """log_softmax of one raw logits row [V] in fp32 through `ops.logprobs.log_softmax_rows` (shared by
+    `sample`, `prompt_logprobs`, the batched paths and the RL policy, so every logprob of the same logits
+    row has the same bits)."""
+    return log_softmax_rows(row.reshape(1, -1))[0]
 
 
 def _best(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,7 +205,7 @@ def _top_p_prefix(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The shortest prefix of (ids, values), sorted by (-value, id), whose probabilities `probs` add up
     to top_p (cumulative sums in that order; the first entry is always kept)."""
-    cumulative = torch.cumsum(probs, dim=0)
+    cumulative = cumsum_rows(probs)
     keep = torch.ones_like(cumulative, dtype=torch.bool)
     keep[1:] = cumulative[:-1] < top_p
     return ids[keep], values[keep]
@@ -206,12 +216,12 @@ def _top_p_of_vocab(scaled: torch.Tensor, top_p: float) -> tuple[torch.Tensor, t
     tokens by (-value, id) for k = 256, 1024, ... until their probabilities reach top_p. Each step is a
     function of the row alone (softmax over the whole row, exact top-k order), so the survivors are too;
     the prefix found is the one a full sort would give, summed in the same sorted order."""
-    probs = torch.softmax(scaled, dim=0)  # [V], token order
+    probs = softmax_rows(scaled)  # [V], token order
     vocab, k = scaled.numel(), min(256, scaled.numel())
     while True:
         ids, values = _best(scaled, k)
         chosen = probs[ids]
-        if k == vocab or float(torch.cumsum(chosen, dim=0)[-1]) >= top_p:
+        if k == vocab or float(cumsum_rows(chosen)[-1]) >= top_p:
             return _top_p_prefix(ids, values, chosen, top_p)
         k = min(vocab, 4 * k)
 
@@ -222,13 +232,13 @@ def _filter(scaled: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor,
     if 0 < params.top_k < vocab:
         ids, values = _best(scaled, params.top_k)
         if params.top_p < 1.0:  # values are sorted by (-value, id) here
-            ids, values = _top_p_prefix(ids, values, torch.softmax(values, dim=0), params.top_p)
+            ids, values = _top_p_prefix(ids, values, softmax_rows(values), params.top_p)
     elif params.top_p < 1.0:
         ids, values = _top_p_of_vocab(scaled, params.top_p)
     else:
         ids, values = torch.arange(vocab, dtype=torch.int64), scaled
     if params.min_p > 0.0:
-        probs = torch.softmax(values, dim=0)
+        probs = softmax_rows(values)
         keep = probs >= probs.max() * params.min_p
         ids, values = ids[keep], values[keep]
     return ids, values

@@ -60,6 +60,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids  # end a sequence unless its params say ignore_eos
         self.step = 0  # id of the next plan; the engine's logical clock
+        self.num_preemptions = 0  # sequences preempted so far (metrics only)
         self._next_arrival = 0
         self._requests: dict[str, Request] = {}  # unfinished sequences by id (lookups only)
         self._waiting: list[Request] = []  # WAITING and PREEMPTED, sorted by arrival
@@ -131,6 +132,7 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(budget, scheduled)
         scheduled.sort(key=lambda item: item[0].arrival)
+        self.num_preemptions += len(preempted)
         plan = StepPlan(
             step_id=self.step,
             chunks=tuple(self._chunk(request, count) for request, count in scheduled),

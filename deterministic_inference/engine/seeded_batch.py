@@ -3,11 +3,11 @@
 Such a row's token is a Gumbel argmax over the survivors of top-k / top-p of logits / T, and every step
 `sampler._sample_row` takes for it has a row-exact batched form here (rows sharing (T, top_p, top-k)
 are processed together; `sampler.sample` groups them):
-  - raw logprobs: one `torch.log_softmax(block, dim=1)`, bitwise `sampler._row_logprobs` per row (as in
-    `greedy_batch`; torch's last-dim kernel reduces each row sequentially on its own);
+  - raw logprobs: one `log_softmax_rows(block)`, bitwise `sampler._row_logprobs` per row (as in
+    `greedy_batch`; the kernel computes each row alone, ops/logprobs.py -> ops/portable.py);
   - `block / T`: elementwise with the same Python scalar, so the same bits as `row / T`;
-  - top-p probabilities: one `torch.softmax(scaled, dim=1)` (same kernel argument as log_softmax; tested
-    bitwise against the per-row `torch.softmax(row, dim=0)`);
+  - top-p probabilities: one `softmax_rows(scaled)` (same kernel argument as log_softmax; tested
+    bitwise against the per-row `softmax_rows(row)`);
   - the sorted order by (-value, id): the elements >= a threshold m form an upper set of the row, so
     their order by unique integer keys (`greedy_batch.order_keys`) is exactly the first |U| entries of a
     full stable sort; m comes from block maxima, which only guarantees |U| >= what is needed;
@@ -31,6 +31,8 @@ import torch.nn.functional as F
 
 from deterministic_inference.engine.greedy_batch import RowResult, best_rows, order_keys
 from deterministic_inference.engine.sampling_params import SamplingParams
+from deterministic_inference.ops.logprobs import log_softmax_rows
+from deterministic_inference.ops.portable import cumsum_rows, softmax_rows
 
 # Columns per block of the candidate search: small blocks keep the upper set found near its needed size.
 WIDTH = 16
@@ -90,7 +92,7 @@ def _top_p_counts(
     and entry i while the sum of entries < i is `< top_p`; sums are sequential, so they agree with any
     longer prefix, and the cut is decided once a prefix's last sum is not `< top_p` (the per-row loop's
     float64 stop test implies this one) or the prefix is the whole row."""
-    cumulative = torch.cumsum(probs, dim=1)  # [P, C]
+    cumulative = cumsum_rows(probs)  # [P, C]
     below = cumulative < top_p  # [P, C]
     index = torch.arange(probs.shape[1])  # [C]
     before_last = index[None, :] < (counts[:, None] - 1)  # [P, C]
@@ -107,7 +109,7 @@ def _rows_of(values: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def _top_p_of_vocab(scaled: torch.Tensor, top_p: float, rows: list[int]) -> dict[int, Survivors]:
     """Per-row `sampler._top_p_of_vocab` for the given rows of `scaled` [R, V]: the survivors of each
     row, found over growing upper sets until the cut is decided."""
-    probs = torch.softmax(scaled, dim=1)  # [R, V]; row r bitwise torch.softmax(scaled[r], dim=0)
+    probs = softmax_rows(scaled)  # [R, V]; row r bitwise softmax_rows(scaled[r])
     found: dict[int, Survivors] = {}
     vocab = scaled.shape[1]
     for need in (*_TOP_P_STEPS, vocab):
@@ -135,7 +137,7 @@ def _top_k_then_p(scaled: torch.Tensor, top_k: int, top_p: float, rows: list[int
     kept = torch.full((len(rows),), top_k)
     if top_p < 1.0:
         counts = torch.full((len(rows),), top_k)
-        kept, _ = _top_p_counts(torch.softmax(values, dim=1), counts, top_p, top_k)
+        kept, _ = _top_p_counts(softmax_rows(values), counts, top_p, top_k)
     return {
         r: (ids[p, : int(kept[p])].clone(), values[p, : int(kept[p])].clone()) for p, r in enumerate(rows)
     }
@@ -203,7 +205,7 @@ def seeded_rows(
     top-p (`params`; top-logprob counts `ks` per row): each row's (token, logprob, k best), bitwise what
     `sampler._sample_row` gives it, or None where a row must take the per-row path (non-finite maximum,
     NaN, or an inexact top-logprob search). `gumbel` is (`sampler._gumbel_argmax`, `sampler.gumbel_at`)."""
-    logprobs = torch.log_softmax(block, dim=1)  # [R, V], row r bitwise sampler._row_logprobs(block[r])
+    logprobs = log_softmax_rows(block)  # [R, V], row r bitwise sampler._row_logprobs(block[r])
     scaled = block / params.temperature  # [R, V], row r bitwise block[r] / T (same scalar op)
     usable = torch.isfinite(block.amax(dim=1)) & torch.isfinite(scaled.amax(dim=1))  # [R]; NaN propagates
     k = max(ks)

@@ -15,6 +15,7 @@ from deterministic_inference.model.llama import DecoderModel, Numerics
 from deterministic_inference.model.loader import LoadedModel
 from deterministic_inference.model.quantization import apply_quantization
 from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.ops.native import native_kernels
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -64,10 +65,15 @@ def release_freed_memory() -> bool:
     return bool(trim(0))
 
 
-def resolve_dtype(requested: str) -> str:
-    """ "auto" -> "bfloat16" on CPUs with native bf16, else "float32"; explicit names pass through."""
+def resolve_dtype(requested: str, batch_invariant: bool = True) -> str:
+    """ "auto" -> "bfloat16" in invariant mode on every CPU: the kernels compute bf16 models with the same
+    bits with or without AVX512-BF16 (portable numerics), so the default numerics must not depend on the
+    CPU either. With `batch_invariant=False` (plain torch): bf16 on CPUs with native bf16, else fp32.
+    Explicit names pass through."""
     if requested != "auto":
         return requested
+    if batch_invariant:
+        return "bfloat16"
     return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
@@ -80,6 +86,10 @@ def build_model(
         batch_invariant=config.batch_invariant,
         tile_rows=config.linear_tile_rows,
     )
+    if not config.batch_invariant:
+        # The sampler's arithmetic runs in the compiled kernels in every mode: without a C compiler,
+        # refuse now (NativeBuildError, one line) rather than fail the first sampled token.
+        native_kernels()
     weights = apply_quantization(loaded.weights, config.quantization, numerics.dtype)
     return DecoderModel(loaded.spec, weights, numerics, max_model_len)
 

@@ -23,7 +23,13 @@ import torch
 from deterministic_inference.errors import ModelLoadError, UnsupportedArchitectureError
 from deterministic_inference.model.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from deterministic_inference.model.gguf_tokenizer import build_gguf_tokenizer
-from deterministic_inference.model.spec import SUPPORTED_ARCHITECTURES, ModelSpec
+from deterministic_inference.model.moe_loading import (
+    GGUF_ARCHITECTURES,
+    gguf_moe_fields,
+    gguf_moe_name,
+    split_experts,
+)
+from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.model.tokenizer import Tokenizer
 from deterministic_inference.ops.quant import QuantizedWeight, UnsupportedWeightFormat, block_format
 from deterministic_inference.ops.weights import RowOrdered, StoredWeight
@@ -51,18 +57,21 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+Stored = StoredWeight | tuple[StoredWeight, ...]  # a tensor as read; a tuple: the experts of a 3-D stack
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 _QUANT_SUFFIX = re.compile(r"[.-](?:[IiQqFf]\d[\w]*|[Bb][Ff]16|[Ff]16|[Ff]32)$")
 
 
 def hf_name(gguf_name: str) -> str | None:
-    """The HF parameter name for a llama.cpp tensor name, or None when it has no HF equivalent."""
+    """The HF parameter name for a llama.cpp tensor name ("{e}" standing for the expert of a 3-D expert
+    stack), or None when it has no HF equivalent."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_TENSOR.match(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-    return None
+    if not match:
+        return None
+    rest = _LAYER_NAMES.get(match.group(2)) or gguf_moe_name(match.group(2))
+    return None if rest is None else f"model.layers.{match.group(1)}.{rest}"
 
 
 def permute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -103,14 +112,15 @@ def load_gguf(
     gguf_file = _read_file(path)
     meta = gguf_file.metadata
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedArchitectureError(
-            f"{path}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{path}: architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)} "
+            "(llama with experts: Mixtral)"
         )
     tensors = _read_tensors(path, gguf_file, quantization)
     tokenizer = build_gguf_tokenizer(path, meta)
     spec = _spec(path, meta, str(arch), tensors, tokenizer)
-    weights = _hf_weights(path, spec, tensors)
+    weights = _hf_weights(path, spec, tensors, permuted_qk=GGUF_ARCHITECTURES[str(arch)][1])
     return spec, weights, tokenizer, served_name(path)
 
 
@@ -121,9 +131,9 @@ def _read_file(path: Path) -> GGUFFile:
         raise ModelLoadError(f"{path}: not a readable GGUF file (corrupt or truncated?): {exc}") from exc
 
 
-def _read_tensors(path: Path, gguf_file: GGUFFile, quantization: str) -> dict[str, StoredWeight]:
-    """Every tensor as stored (numpy row-major shapes)."""
-    out: dict[str, StoredWeight] = {}
+def _read_tensors(path: Path, gguf_file: GGUFFile, quantization: str) -> dict[str, Stored]:
+    """Every tensor as stored (numpy row-major shapes; a 3-D expert stack as its experts' 2-D views)."""
+    out: dict[str, Stored] = {}
     for tensor in gguf_file.tensors:
         shape = tensor.shape
         kind = tensor.tensor_type.name
@@ -142,9 +152,13 @@ def _read_tensors(path: Path, gguf_file: GGUFFile, quantization: str) -> dict[st
     return out
 
 
-def _stored_tensor(tensor: GGUFTensor, shape: tuple[int, ...], quantization: str) -> StoredWeight:
+def _stored_tensor(tensor: GGUFTensor, shape: tuple[int, ...], quantization: str) -> Stored:
     """A dense view (F32/F16/BF16), a QuantizedWeight view (supported 2-D block formats), or a float32
-    dequantisation (1-D blocks; other block formats under --quantization none)."""
+    dequantisation (1-D blocks; other block formats under --quantization none). A 3-D tensor (experts
+    [E, rows, cols]) becomes a tuple of its experts' 2-D weights, each a view (no copy)."""
+    if len(shape) == 3:
+        experts = (GGUFTensor(tensor.name, tensor.tensor_type, shape[1:], data) for data in tensor.data)
+        return tuple(_stored_tensor(expert, shape[1:], quantization) for expert in experts)  # type: ignore[misc]
     data = tensor.data
     kind = tensor.tensor_type.name
     if kind in ("F32", "F16"):
@@ -179,10 +193,11 @@ def _int(path: Path, meta: dict[str, Any], key: str, default: int | None = None)
 
 
 def _spec(
-    path: Path, meta: dict[str, Any], arch: str, tensors: dict[str, StoredWeight], tokenizer: Tokenizer
+    path: Path, meta: dict[str, Any], arch: str, tensors: dict[str, Stored], tokenizer: Tokenizer
 ) -> ModelSpec:
-    if "token_embd.weight" not in tensors:
-        raise ModelLoadError(f"{path}: tensor token_embd.weight is missing")
+    embedding = tensors.get("token_embd.weight")
+    if embedding is None or isinstance(embedding, tuple):
+        raise ModelLoadError(f"{path}: tensor token_embd.weight is missing (or not a 2-D table)")
     if "rope_freqs.weight" in tensors:
         raise ModelLoadError(
             f"{path}: rope frequency factors (rope_freqs.weight, Llama 3.1 style scaling) are not supported "
@@ -195,11 +210,15 @@ def _spec(
     heads = _int(path, meta, f"{arch}.attention.head_count")
     if heads <= 0 or (hidden % heads != 0 and f"{arch}.attention.key_length" not in meta):
         raise ModelLoadError(f"{path}: {arch}.attention.head_count {heads} does not divide {hidden}")
+    architecture = GGUF_ARCHITECTURES[arch][0]
+    moe = gguf_moe_fields(path, meta, architecture, arch, tensors)
+    if moe and architecture == "llama":
+        architecture = "mixtral"
     return ModelSpec(
-        architecture=arch,
-        vocab_size=int(tensors["token_embd.weight"].shape[0]),
+        architecture=architecture,
+        vocab_size=int(embedding.shape[0]),
         hidden_size=hidden,
-        intermediate_size=_int(path, meta, f"{arch}.feed_forward_length"),
+        intermediate_size=_int(path, meta, f"{arch}.feed_forward_length", moe.get("moe_intermediate_size")),
         num_layers=_int(path, meta, f"{arch}.block_count"),
         num_heads=heads,
         num_kv_heads=_int(path, meta, f"{arch}.attention.head_count_kv", heads),
@@ -212,6 +231,7 @@ def _spec(
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
+        **moe,
     )
 
 
@@ -226,7 +246,9 @@ def _unpermuted(tensor: StoredWeight, heads: int) -> StoredWeight:
     return RowOrdered(tensor, order)
 
 
-def _hf_weights(path: Path, spec: ModelSpec, tensors: dict[str, StoredWeight]) -> dict[str, StoredWeight]:
+def _hf_weights(
+    path: Path, spec: ModelSpec, tensors: dict[str, Stored], permuted_qk: bool
+) -> dict[str, StoredWeight]:
     weights: dict[str, StoredWeight] = {}
     for name, tensor in tensors.items():
         target = hf_name(name)
@@ -234,7 +256,13 @@ def _hf_weights(path: Path, spec: ModelSpec, tensors: dict[str, StoredWeight]) -
             raise ModelLoadError(
                 f"{path}: tensor {name} has no place in a {spec.architecture} model (unsupported variant?)"
             )
-        if spec.architecture == "llama" and name.endswith((".attn_q.weight", ".attn_k.weight")):
+        if isinstance(tensor, tuple) or "{e}" in target or "shared_expert_gate" in target:
+            try:
+                weights.update(split_experts(tensor, target))
+            except ValueError as exc:
+                raise ModelLoadError(f"{path}: tensor {name}: {exc}") from None
+            continue
+        if permuted_qk and name.endswith((".attn_q.weight", ".attn_k.weight")):
             heads = spec.num_heads if ".attn_q." in name else spec.num_kv_heads
             if tensor.shape[0] != heads * spec.head_dim:
                 raise ModelLoadError(

@@ -10,6 +10,7 @@ import tokenizers
 import torch
 
 from deterministic_inference.errors import ModelLoadError, UnsupportedArchitectureError
+from deterministic_inference.model.moe_loading import hf_moe_fields, hf_moe_weights
 from deterministic_inference.model.spec import SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
 from deterministic_inference.model.tokenizer import Tokenizer, end_of_turn_ids
 from deterministic_inference.ops.weights import StoredWeight
@@ -20,10 +21,16 @@ _ARCHITECTURES = {
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 
@@ -74,7 +81,8 @@ def _architecture(config_path: Path, config: dict[str, Any]) -> str:
     shown = config.get("model_type") or (config.get("architectures") or [None])[0]
     raise UnsupportedArchitectureError(
         f"{config_path}: architecture {shown!r} is not supported; supported: "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)} (HF model types: llama, mistral, qwen2, qwen3)"
+        f"{', '.join(SUPPORTED_ARCHITECTURES)} (HF model types: llama, mistral, qwen2, qwen3, qwen2_moe, "
+        "qwen3_moe, mixtral)"
     )
 
 
@@ -110,7 +118,7 @@ def _rope(config_path: Path, config: dict[str, Any]) -> tuple[float, RopeScaling
 
 def _check_sliding_window(config_path: Path, config: dict[str, Any], max_positions: int) -> None:
     window = config.get("sliding_window")
-    uses_window = config.get("use_sliding_window", config.get("model_type") == "mistral")
+    uses_window = config.get("use_sliding_window", config.get("model_type") in ("mistral", "mixtral"))
     if uses_window and isinstance(window, int) and window < max_positions:
         raise ModelLoadError(
             f"{config_path}: sliding_window={window} is smaller than max_position_embeddings="
@@ -149,9 +157,18 @@ def _spec(
             rope_scaling=scaling,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_ids=tokenizer.eos_token_ids,
+            **hf_moe_fields(config_path, config, arch),
         )
     except (TypeError, ValueError, ZeroDivisionError) as exc:
         raise ModelLoadError(f"{config_path}: invalid hyper-parameter: {exc}") from exc
+
+
+def load_safetensors_weights(path: Path) -> tuple[dict[str, torch.Tensor], list[Path]]:
+    """(tensors, files read) of the *.safetensors weights in directory `path` (or the shards of its
+    model.safetensors.index.json), read as `load_hf` reads them; ModelLoadError when there are none or a
+    file is unreadable. Also the reader of a weight update (`engine/weight_update.py`)."""
+    files = _weight_files(path)
+    return _load_weights(files), files
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -194,7 +211,7 @@ def _load_weights(files: list[Path]) -> dict[str, torch.Tensor]:
                 name = "model." + name
             if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 tensor = tensor.to(torch.float32)
-            weights[name] = tensor.contiguous()
+            weights.update(hf_moe_weights(name, tensor.contiguous()))
     return weights
 
 

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2, Qwen3).
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2, Qwen3) and its
+mixture-of-experts variants (Mixtral, Qwen2-MoE, Qwen3-MoE: the MLP is a `MoEBlock`, model/moe.py).
 
 Qwen2 adds biases to the q/k/v projections; Qwen3 adds an RMSNorm over each head of q and k before the
 rotary embedding. Everything else is the shared pre-norm block. All state arrives as arguments (the KV
@@ -11,10 +12,13 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from deterministic_inference.model.moe import GatedMLP, MoEBlock
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata
 from deterministic_inference.ops.backend import KVCache, Numerics, OpsBackend, select_backend, split_heads
+from deterministic_inference.ops.fused import FusedDecoder
 from deterministic_inference.ops.linear import Linear
+from deterministic_inference.ops.probes import BlockProbe, dtype_name
 from deterministic_inference.ops.rope import RotaryTable
 from deterministic_inference.ops.weights import StoredWeight, dense, dtype_format
 
@@ -44,23 +48,29 @@ class DecoderLayer:
             return [weights[prefix + name] for name in names]
 
         qkv = tuple(f"self_attn.{n}_proj.weight" for n in "qkv")
-        mlp = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
         qkv_bias = None
         if spec.attention_bias:
             qkv_bias = torch.cat([vector(f"self_attn.{n}_proj.bias") for n in "qkv"])
         self.qkv = ops.linear(matrices(*qkv), qkv_bias)  # [(H + 2*KVH) * D, hidden]
         self.o_proj = ops.linear(matrices("self_attn.o_proj.weight"))  # [hidden, H * D]
-        self.gate_up = ops.linear(matrices(*mlp))  # [2 * inter, hidden]
-        self.down = ops.linear(matrices("mlp.down_proj.weight"))  # [hidden, inter]
+        # [T, hidden] -> [T, hidden]: the gated MLP, or a mixture of experts (model/moe.py)
+        mlp = prefix + "mlp."
+        self.mlp: GatedMLP | MoEBlock
+        self.mlp = MoEBlock(spec, weights, mlp, ops) if spec.is_moe else GatedMLP(ops, weights, mlp)
         self.input_norm = vector("input_layernorm.weight")
         self.post_attention_norm = vector("post_attention_layernorm.weight")
         self.q_norm = vector("self_attn.q_norm.weight") if spec.qk_norm else None
         self.k_norm = vector("self_attn.k_norm.weight") if spec.qk_norm else None
         # tensor name -> the format it is computed in (the fingerprint's numerics)
-        names = (*qkv, "self_attn.o_proj.weight", *mlp, "mlp.down_proj.weight")
-        formats = (*self.qkv.formats, *self.o_proj.formats, *self.gate_up.formats, *self.down.formats)
+        names = (*qkv, "self_attn.o_proj.weight")
+        formats = (*self.qkv.formats, *self.o_proj.formats)
         self.weight_formats = {prefix + name: fmt for name, fmt in zip(names, formats, strict=True)}
+        self.weight_formats.update(self.mlp.weight_formats())
         self.weight_formats.update((name, dtype_format(dtype)) for name in vectors)
+
+    def probe_linears(self) -> list[tuple[str, Linear]]:
+        """(role, linear) of every linear of the block (see DecoderModel.probe_linears)."""
+        return [("qkv", self.qkv), ("o_proj", self.o_proj), *self.mlp.probe_linears()]
 
     def __call__(
         self,
@@ -79,7 +89,7 @@ class DecoderLayer:
         q = ops.rotary_write_kv(qkv, positions, rotary, meta, kv_cache, spec.num_heads)  # [T, H, D]
         delta = self.o_proj(ops.attention(q, kv_cache, meta, spec.head_dim**-0.5))  # [T, hidden]
         normed, hidden = ops.add_rms_norm(hidden, delta, self.post_attention_norm, spec.rms_norm_eps)
-        return hidden, self.down(ops.silu_mul(self.gate_up(normed)))
+        return hidden, self.mlp(normed)
 
     def _qk_normed(self, qkv: torch.Tensor) -> torch.Tensor:
         """Qwen3: RMSNorm over each head of q and k (fp32 statistics); others unchanged."""
@@ -95,22 +105,30 @@ class DecoderLayer:
 class DecoderModel:
     """Embedding, decoder layers, final norm and the fp32 logits head of a Llama-family model.
 
-    The ops backend is chosen here, once, from `numerics` (`select_backend`)."""
+    The ops backend is chosen here, once, from `numerics` (`select_backend`); `ops` passes one built on
+    that choice instead (the RL policy's autograd wrapper around the same kernels, `rl/backend.py`)."""
 
     def __init__(
-        self, spec: ModelSpec, weights: Mapping[str, StoredWeight], numerics: Numerics, max_positions: int
+        self,
+        spec: ModelSpec,
+        weights: Mapping[str, StoredWeight],
+        numerics: Numerics,
+        max_positions: int,
+        ops: OpsBackend | None = None,
     ):
         self.spec = spec
         self.numerics = numerics
         # The compiled kernels in invariant mode (raises NativeBuildError without a compiler).
-        self.ops = select_backend(numerics)
+        self.ops = ops if ops is not None else select_backend(numerics)
         self.embed = self.ops.embedding(weights["model.embed_tokens.weight"])  # [vocab, hidden]
         self.layers = [DecoderLayer(spec, weights, i, self.ops) for i in range(spec.num_layers)]
+        # every layer of a step in one C call when the layers allow it (the same bits: ops/fused.py)
+        self.fused = FusedDecoder.build(getattr(self.ops, "kernels", None), self.layers)
         self.final_norm = dense(weights["model.norm.weight"], numerics.dtype)
         head = weights["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
         # Logits in fp32 whatever the model dtype: fp32 sums of the model-dtype weight and hidden state.
         self.lm_head = self.ops.logits_head(head)
-        self.rotary = RotaryTable(spec.head_dim, spec.rope_theta, max_positions, spec.rope_scaling)
+        self.rotary = self.ops.rotary_table(spec.head_dim, spec.rope_theta, max_positions, spec.rope_scaling)
         # tensor name -> the format the model computes it in (the fingerprint's numerics); the head has
         # its own entry when tied (the embedding table read by the logits GEMM)
         formats = {"model.embed_tokens.weight": self.embed.format, "lm_head.weight": self.lm_head.formats[0]}
@@ -124,12 +142,25 @@ class DecoderModel:
         self-check probes: every format the model computes in, at its real shape)."""
         found: dict[tuple[str, tuple[str, ...]], Linear] = {}
         for layer in self.layers:
-            for role, linear in (
-                ("qkv", layer.qkv), ("o_proj", layer.o_proj), ("gate_up", layer.gate_up), ("down", layer.down)
-            ):  # fmt: skip
+            for role, linear in layer.probe_linears():
                 found.setdefault((role, linear.formats), linear)
         found[("lm_head", self.lm_head.formats)] = self.lm_head
         return [(role, linear) for (role, _), linear in found.items()]
+
+    def probe_blocks(self) -> list[BlockProbe]:
+        """Whole blocks the self-check probes as row functions: the first mixture-of-experts MLP (router,
+        routing, expert GEMMs and the ordered sum with the model's own weights); none for dense models."""
+        spec = self.spec
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoEBlock):
+                linears = layer.mlp.probe_linears()
+                formats = "+".join(sorted({fmt for _, linear in linears for fmt in linear.formats}))
+                shape = (
+                    f"[M, {spec.hidden_size}] {spec.num_experts} experts top-{spec.num_experts_per_tok} "
+                    f"{dtype_name(self.numerics.dtype)} weights {formats.lower()}"
+                )
+                return [BlockProbe("moe", shape, layer.mlp, spec.hidden_size)]
+        return []
 
     def forward(
         self,
@@ -138,10 +169,16 @@ class DecoderModel:
         meta: AttentionMetadata,
         kv_caches: list[KVCache],
         layer_hook: LayerHook | None = None,
+        fused: bool = True,
     ) -> torch.Tensor:
-        """-> final-normed hidden states [T, hidden] in the model dtype."""
+        """-> final-normed hidden states [T, hidden] in the model dtype. `fused=False` forces the per-op
+        path (the fused one gives the same bits; tests compare them); a layer hook always takes it."""
         hidden = self.embed(input_ids)  # [T, hidden]
         pending: torch.Tensor | None = None
+        if fused and layer_hook is None and self.fused is not None:
+            hidden, pending = self.fused(hidden, positions, meta, kv_caches, self.rotary)
+            hidden, _ = self.ops.add_rms_norm(hidden, pending, self.final_norm, self.spec.rms_norm_eps)
+            return hidden
         for index, layer in enumerate(self.layers):
             hidden, pending = layer(hidden, pending, positions, meta, kv_caches[index], self.rotary)
             if layer_hook is not None:

@@ -9,6 +9,7 @@ from deterministic_inference.errors import ModelLoadError
 from deterministic_inference.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from deterministic_inference.model.gguf_loader import is_gguf_file, load_gguf
 from deterministic_inference.model.hf_loader import load_hf
+from deterministic_inference.model.moe_loading import check_moe_spec, moe_shapes
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.model.tokenizer import Tokenizer
 from deterministic_inference.ops.weights import StoredWeight
@@ -69,9 +70,12 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.k_proj.weight"] = (kv_rows, spec.hidden_size)
         shapes[p + "self_attn.v_proj.weight"] = (kv_rows, spec.hidden_size)
         shapes[p + "self_attn.o_proj.weight"] = (spec.hidden_size, q_rows)
-        shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, spec.hidden_size)
-        shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, spec.hidden_size)
-        shapes[p + "mlp.down_proj.weight"] = (spec.hidden_size, spec.intermediate_size)
+        if spec.is_moe:
+            shapes.update(moe_shapes(spec, i))
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, spec.hidden_size)
+            shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, spec.hidden_size)
+            shapes[p + "mlp.down_proj.weight"] = (spec.hidden_size, spec.intermediate_size)
         if spec.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q_rows,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_rows,)
@@ -90,6 +94,7 @@ def _checked(model: LoadedModel) -> LoadedModel:
         raise ModelLoadError(
             f"{where}: {spec.num_heads} heads is not a multiple of {spec.num_kv_heads} kv heads"
         )
+    check_moe_spec(where, spec)
     expected = expected_shapes(spec)
     missing = sorted(set(expected) - set(model.weights))
     extra = sorted(set(model.weights) - set(expected))

@@ -11,6 +11,11 @@ Hugging Face (Llama-style) parameter names, so the architectures never see file 
     model.layers.{i}.self_attn.{q,k}_norm.weight   [head_dim] (qwen3 only)
     model.layers.{i}.post_attention_layernorm.weight   [hidden]
     model.layers.{i}.mlp.{gate,up,down}_proj.weight    gate/up: [inter, hidden], down: [hidden, inter]
+  mixture-of-experts layers (qwen3_moe, qwen2_moe, mixtral) have instead of the dense MLP:
+    model.layers.{i}.mlp.gate.weight               [experts, hidden]: the router
+    model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight   like the dense MLP's, moe_inter wide
+    model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj.weight  (qwen2_moe) shared_inter wide
+    model.layers.{i}.mlp.shared_expert_gate.weight [1, hidden] (qwen2_moe)
     model.norm.weight                              [hidden]
     lm_head.weight                                 [vocab, hidden] (absent when tie_word_embeddings)
 
@@ -21,7 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,17 @@ class ModelSpec:
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (every layer's MLP; 0 experts = a dense model)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # k: experts each token is routed to
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = True  # weights = softmax over the k chosen (else their full-softmax probabilities)
+    shared_expert_intermediate_size: int = 0  # a sigmoid-gated shared expert's width (0: none)
+
+    @property
+    def is_moe(self) -> bool:
+        """True when the MLPs are mixtures of experts."""
+        return self.num_experts > 0
 
     @property
     def group_size(self) -> int:

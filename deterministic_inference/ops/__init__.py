@@ -20,4 +20,8 @@ in `csrc/`); `batch_invariant=False` selects plain torch ops (benchmarks, negati
 #     quantized per row and block, integer dot products, one fixed fp32 scaling order per output; GGUF
 #     weights computed as stored (--quantization auto): the embedding dequantised row by row, the tied
 #     logits head over the quantized table; the per-tensor formats enter the numerics too.
-OPS_REVISION = 8
+# 9 = portable numerics: every rounding operation on the invariant path in our kernels, none in torch's
+#     ISA-dispatched ones: log_softmax / softmax / cumulative sums of the sampler (ops/csrc/sampling.c),
+#     rotary tables from our own pow / sin / cos (rotary_tables.c, portable_math.h), fp32 linears in a
+#     fixed-order FMA GEMM (gemm_f32.c, was oneDNN), Qwen3's q/k norms in the RMSNorm kernel.
+OPS_REVISION = 9

@@ -1,11 +1,13 @@
 """The ops backend seam: the decoder is written once against `OpsBackend`; a backend is picked once,
 when the model is built, by `select_backend` (the one place that decides which kernels run).
 
-- `NativeBackend` (invariant mode): the compiled kernels of `ops/native.py` (attention, RMSNorm fused
-  with the residual add, silu_mul, rotary + KV write, the bf16 GEMM) and padded oneDNN GEMMs for fp32
-  weights. Every op's rows are invariant by construction; the start-up self-check proves it per machine.
+- `NativeBackend` (invariant mode): the compiled kernels of `ops/native.py` and `ops/portable.py`
+  (attention, RMSNorm fused with the residual add, silu_mul, rotary tables + KV write, the bf16, fp32 and
+  quantized GEMMs, log_softmax). Every op's rows are invariant by construction; the start-up self-check
+  proves it per machine. Every rounding operation runs in our kernels, so the bits are also the same on
+  any x86-64 CPU and for any -march of the kernels (portable numerics): torch only moves data and casts.
 - `TorchBackend` (`batch_invariant=False`): plain torch ops, for benchmarks and the negative controls of
-  the tests. Its outputs may depend on the batch.
+  the tests. Its outputs may depend on the batch and on the CPU.
 
 A GPU backend would be a third class here. Per-token overhead matters (single-stream decode calls every
 op of every layer once per token), so the methods forward to the kernels with no extra work.
@@ -13,19 +15,25 @@ op of every layer once per token), so the methods forward to the kernels with no
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from deterministic_inference.model.spec import RopeScaling
 from deterministic_inference.ops.attention import AttentionMetadata, paged_attention, write_kv
 from deterministic_inference.ops.linear import Linear, LinearWeight
+from deterministic_inference.ops.moe import combine_native, combine_torch, route_native, route_torch
 from deterministic_inference.ops.native import NativeKernels, native_kernels
 from deterministic_inference.ops.norm import rms_norm
+from deterministic_inference.ops.portable import TORCH_LOG_SOFTMAX_ENV, log_softmax_rows
 from deterministic_inference.ops.rope import RotaryTable
 from deterministic_inference.ops.weights import Embedding, StoredWeight, dense
 
+# A shared expert's output rows [T, H] (model dtype) and its gate logits [T] fp32
+SharedExpert = tuple[torch.Tensor, torch.Tensor]
 # One layer's paged cache: (keys [blocks, KVH, D, block_size], values [blocks, KVH, block_size, D])
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -44,6 +52,12 @@ class OpsBackend(Protocol):
 
     name: str
     numerics: Numerics
+
+    @property
+    def portable(self) -> bool:
+        """True when every rounding operation runs in our kernels (bits fixed by their source, the same
+        on any x86-64 CPU): the fingerprint then leaves the CPU out of what can change bits."""
+        ...
 
     def linear(self, weight: LinearWeight, bias: torch.Tensor | None = None) -> Linear:
         """x [T, in] -> [T, out] in the model dtype; `weight` may stack several stored parts by rows."""
@@ -89,6 +103,30 @@ class OpsBackend(Protocol):
         """gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]."""
         ...
 
+    def moe_route(self, logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [T, E] fp32 -> (top-k expert ids [T, k] int64 ascending, weights [T, k] fp32);
+        `normalize`: softmax over the chosen experts (else their full-softmax probabilities)."""
+        ...
+
+    def moe_combine(
+        self, y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, shared: SharedExpert | None
+    ) -> torch.Tensor:
+        """Expert rows y [R, H], each token's slot rows [T, k] and weights [T, k] -> [T, H]: the weighted
+        rows summed in slot order (+ the sigmoid-gated shared expert)."""
+        ...
+
+    def rotary_table(
+        self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None
+    ) -> RotaryTable:
+        """The cos / sin tables of every position (fp32 [max_positions, head_dim])."""
+        ...
+
+    def log_softmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logprobs: log_softmax over the last dimension of fp32 logits [..., V] -> fp32 [..., V]. The
+        native backend's is the sampler's own function (`ops.portable.log_softmax_rows`), so a trainer's
+        forward pass gets the sampler's logprob bits."""
+        ...
+
 
 class NativeBackend:
     """Invariant mode: the compiled kernels (see the module docstring)."""
@@ -98,6 +136,11 @@ class NativeBackend:
     def __init__(self, numerics: Numerics, kernels: NativeKernels) -> None:
         self.numerics = numerics
         self.kernels = kernels
+
+    @property
+    def portable(self) -> bool:
+        """True, unless a test put torch's log_softmax back on the path (`ops.portable`)."""
+        return os.environ.get(TORCH_LOG_SOFTMAX_ENV) != "1"
 
     def linear(self, weight: LinearWeight, bias: torch.Tensor | None = None) -> Linear:
         numerics = self.numerics
@@ -125,8 +168,10 @@ class NativeBackend:
         return self.kernels.add_rms_norm(hidden, delta, weight, eps), hidden
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """torch's fp32 whole-row reduction (invariant at every width measured; the self-check probes it)."""
-        return rms_norm(x, weight, eps)
+        """The RMSNorm kernel over the last dimension (each row alone, fixed-order sum of squares; torch's
+        reduction would take its order from the CPU's vector width)."""
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # [N, W]
+        return self.kernels.add_rms_norm(rows, None, weight.contiguous(), eps).reshape(x.shape)
 
     def rotary_write_kv(
         self,
@@ -154,6 +199,26 @@ class NativeBackend:
         """Elementwise in fp32 with the kernels' own exp: each element a function of its inputs only."""
         return self.kernels.silu_mul(gate_up)
 
+    def moe_route(self, logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compiled router: per token, from its own logits only (ties to the lower expert index)."""
+        return route_native(self.kernels, logits, k, normalize)
+
+    def moe_combine(
+        self, y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, shared: SharedExpert | None
+    ) -> torch.Tensor:
+        """The compiled sum: per token, fp32 in slot order, one rounding (csrc/moe.c)."""
+        return combine_native(self.kernels, y, rows, weights, shared)
+
+    def rotary_table(
+        self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None
+    ) -> RotaryTable:
+        """Tables from the portable kernels (our own pow / sin / cos): the same bits on every CPU."""
+        return RotaryTable(head_dim, theta, max_positions, scaling, kernels=self.kernels)
+
+    def log_softmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """`ops.portable.log_softmax_rows` with this backend's kernels: the sampler's function."""
+        return log_softmax_rows(logits, self.kernels)
+
 
 class TorchBackend:
     """`batch_invariant=False`: plain torch ops (not reproducible across batches). Quantized weights are
@@ -163,6 +228,11 @@ class TorchBackend:
 
     def __init__(self, numerics: Numerics) -> None:
         self.numerics = numerics
+
+    @property
+    def portable(self) -> bool:
+        """False: torch's kernels dispatch on the CPU's ISA."""
+        return False
 
     def linear(self, weight: LinearWeight, bias: torch.Tensor | None = None) -> Linear:
         numerics = self.numerics
@@ -219,6 +289,24 @@ class TorchBackend:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         inter = gate_up.shape[1] // 2
         return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+    def moe_route(self, logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return route_torch(logits, k, normalize)
+
+    def moe_combine(
+        self, y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, shared: SharedExpert | None
+    ) -> torch.Tensor:
+        return combine_torch(y, rows, weights, shared)
+
+    def rotary_table(
+        self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None
+    ) -> RotaryTable:
+        """torch's pow / cos / sin (ISA-dispatched)."""
+        return RotaryTable(head_dim, theta, max_positions, scaling)
+
+    def log_softmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """torch.log_softmax in fp32 (ISA-dispatched)."""
+        return torch.log_softmax(logits.to(torch.float32), dim=-1)
 
 
 def split_heads(

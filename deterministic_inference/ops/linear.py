@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import torch
 import torch.nn.functional as F
 
+from deterministic_inference.ops.portable import gemm_f32, pack_f32
 from deterministic_inference.ops.quant import QuantizedWeight, QuantLinear
 from deterministic_inference.ops.weights import (
     RowOrdered,
@@ -65,8 +66,10 @@ class Linear:
     Why invariant: quantized weights with the compiled kernels (backend "quant", `ops/quant.py`)
     quantize each activation row by itself and sum exact integer products, scaled in a fixed order per
     output. For dense bf16 weights with the compiled kernels (`kernels`, backend "native") every output
-    is a fixed-order fp32 sum over its own row and column (ops/csrc/gemm.c), so no padding is needed.
-    Otherwise (fp32 weights, or no kernels) oneDNN or MKL is called on a padded row count: they pick
+    is a fixed-order fp32 sum over its own row and column (ops/csrc/gemm.c), so no padding is needed;
+    for dense fp32 weights (backend "native_f32") a fixed chain of fused multiply-adds per output
+    (ops/csrc/gemm_f32.c): in both, the bits do not depend on the CPU's ISA either (portable numerics).
+    Otherwise (no kernels: tests of the padded GEMMs) oneDNN or MKL is called on a padded row count: they pick
     their kernel and reduction order from the GEMM's shape, and padding to a multiple of `tile_rows`
     (at least `tile_rows` rows) keeps every call in the same kernel class, so each row is a fixed-order
     dot product of its own input with W. The start-up self-check proves either per machine at the
@@ -96,6 +99,7 @@ class Linear:
         self.batch_invariant = batch_invariant
         bias = None if bias is None else bias.to(dtype)
         self._native: tuple[NativeKernels, torch.Tensor, torch.Tensor | None] | None = None
+        self._native_f32: tuple[NativeKernels, torch.Tensor, torch.Tensor | None] | None = None
         self._quant: QuantLinear | None = None
         if kernels is not None and batch_invariant and all(is_quantized(part) for part in parts):
             blocks = [quant_part(part) for part in parts]  # type: ignore[arg-type]
@@ -127,11 +131,27 @@ class Linear:
             bias32 = None if bias is None else bias.float().contiguous()
             self._native = (kernels, kernels.pack_bf16(weight.contiguous()), bias32)
             return
+        if kernels is not None and self.batch_invariant and dtype == torch.float32:
+            # portable fp32 path: the packed weight [ceil(N/16) * K * 16] and the fp32 bias
+            self.backend = "native_f32"
+            bias32 = None if bias is None else bias.float().contiguous()
+            self._native_f32 = (kernels, pack_f32(kernels, weight), bias32)
+            return
         self.weight = weight.to(self.out_dtype).contiguous()
         self.bias = None if bias is None else bias.to(self.out_dtype).contiguous()
         use_mkldnn = backend == "mkldnn" and self.batch_invariant and mkldnn_available(self.weight.dtype)
         self.backend = "mkldnn" if use_mkldnn else "aten"
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None) if use_mkldnn else None
+
+    @property
+    def quant_linear(self) -> QuantLinear | None:
+        """The quantized GEMM this linear runs on (backend "quant"), else None."""
+        return self._quant
+
+    @property
+    def native_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(packed bf16 weight, fp32 bias or None) of the native bf16 GEMM (backend "native"), else None."""
+        return None if self._native is None else self._native[1:]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [M, in] -> [M, out] in `out_dtype`."""
@@ -140,6 +160,9 @@ class Linear:
         if self._native is not None:
             kernels, packed, bias32 = self._native
             return kernels.gemm_bf16(x.contiguous(), packed, self.out_features, bias32, self.out_dtype)
+        if self._native_f32 is not None:
+            kernels, packed, bias32 = self._native_f32
+            return gemm_f32(kernels, x, packed, self.out_features, bias32)
         x = x.to(self.weight.dtype)
         if not self.batch_invariant:
             return F.linear(x, self.weight, self.bias)

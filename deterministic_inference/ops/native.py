@@ -1,5 +1,6 @@
-"""The compiled kernels (ops/csrc/*.c: attention, RMSNorm, silu_mul, rotary + KV write, the bf16 GEMM),
-built with the system C compiler on first use.
+"""The compiled kernels (ops/csrc/*.c: attention, RMSNorm, silu_mul, rotary + KV write, the bf16, fp32
+and quantized GEMMs, the sampler's row ops and the rotary tables), built with the system C compiler on
+first use, for the -march that $DETINF_KERNEL_MARCH names (native by default).
 
 The shared library is cached under `$DETINF_CACHE_DIR` (default `~/.cache/deterministic-inference`)
 in a file named by the sha256 of the source, the flags and the compiler's version, so a change to any
@@ -32,14 +33,23 @@ from deterministic_inference.errors import DetinfError
 _CSRC = Path(__file__).parent / "csrc"
 _QUANT = ("act", "unpack", "unpack512", "gemv512", "kernels", "kernels256", "gemm", "convert")  # ops/quant.py
 QUANT_SOURCES = tuple(_CSRC / f"quant_{name}.c" for name in _QUANT)
-SOURCES = (_CSRC / "attention.c", _CSRC / "rowwise.c", _CSRC / "gemm.c", *QUANT_SOURCES)  # compiled together
-HEADERS = (_CSRC / "common.h", _CSRC / "quant.h", _CSRC / "quant512.h")  # included; part of the digest
+# portable numerics (ops/portable.py): the sampler's arithmetic, rotary tables, the fp32 GEMM
+PORTABLE_SOURCES = (_CSRC / "sampling.c", _CSRC / "rotary_tables.c", _CSRC / "gemm_f32.c")
+SOURCES = (  # compiled together; decoder.c is the decode fast path (ops/fused.py)
+    _CSRC / "attention.c", _CSRC / "rowwise.c", _CSRC / "gemm.c", _CSRC / "moe.c", *QUANT_SOURCES,
+    *PORTABLE_SOURCES, _CSRC / "decoder.c",
+)  # fmt: skip
+# included; part of the digest
+HEADERS = (_CSRC / "common.h", _CSRC / "quant.h", _CSRC / "quant512.h", _CSRC / "portable_math.h")
 # -fopenmp: rows are shared out between OpenMP threads. torch is imported first and has loaded its own
 # libgomp.so.1, which the kernels' libgomp.so.1 dependency then resolves to: one thread pool, sized by
 # torch.set_num_threads.
 _FLOAT_FLAGS = ("-fno-fast-math", "-ffp-contract=off", "-fno-math-errno")
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-fopenmp", *_FLOAT_FLAGS)
 ISA_FLAGS = ("-march=native",)
+# DETINF_KERNEL_MARCH picks the -march the kernels are built for (speed only: the bits are the same).
+MARCH_ENV = "DETINF_KERNEL_MARCH"
+MARCHES = ("native", "x86-64-v3", "x86-64")
 
 
 class NativeBuildError(DetinfError):
@@ -349,12 +359,43 @@ def load(path: Path) -> NativeKernels:
     library.detinf_gemm_uses_avx512_bf16.argtypes = []
     library.detinf_exp_nonpositive.restype = ctypes.c_float
     library.detinf_exp_nonpositive.argtypes = [ctypes.c_float]
+    _declare_portable(library)
     return NativeKernels(library, path, path.stem.removeprefix("attention-"))
+
+
+def isa_flags() -> tuple[str, ...]:
+    """The -march flag from $DETINF_KERNEL_MARCH (native | x86-64-v3 | x86-64; default native)."""
+    march = os.environ.get(MARCH_ENV) or "native"
+    if march not in MARCHES:
+        raise NativeBuildError(
+            f"{MARCH_ENV}: {march!r} is not one of {', '.join(MARCHES)}; unset it to build for this CPU"
+        )
+    return (f"-march={march}",)
+
+
+def _declare_portable(library: ctypes.CDLL) -> None:
+    """C signatures of the portable-numerics kernels (sampling.c, rotary_tables.c, gemm_f32.c)."""
+    pointer, i64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+    signatures = {
+        "detinf_rows": (None, [pointer, pointer, i64, i64, ctypes.c_int]),
+        "detinf_inverse_frequencies": (None, [f64, i64, pointer]),
+        "detinf_rotary_tables": (ctypes.c_int, [pointer, i64, i64, pointer, pointer]),
+        "detinf_pack_f32": (None, [pointer, i64, i64, pointer]),
+        "detinf_gemm_f32": (None, [pointer, i64, i64, pointer, i64, pointer, pointer]),
+        "detinf_test_expf": (ctypes.c_float, [ctypes.c_float]),
+        "detinf_test_exp": (f64, [f64]),
+        "detinf_test_log": (f64, [f64]),
+        "detinf_test_sincos": (f64, [f64, ctypes.c_int]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        function = getattr(library, name)
+        function.restype, function.argtypes = restype, argtypes
 
 
 @functools.cache
 def native_kernels() -> NativeKernels:
-    """The kernel for this process, built once (a read-only resource, not mutable state).
+    """The kernel for this process, built once (a read-only resource, not mutable state) for the
+    -march that $DETINF_KERNEL_MARCH names (the build's cache key includes it).
 
     Raises NativeBuildError when it cannot be built."""
-    return load(build())
+    return load(build(isa_flags()))

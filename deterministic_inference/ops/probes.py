@@ -140,19 +140,27 @@ def elementwise_probes(
     with the KV write, as the model's backend computes them."""
     dtype, name = ops.numerics.dtype, dtype_name(ops.numerics.dtype)
     sizes = batch_sizes(ops.numerics.tile_rows)
-    width, inter = spec.hidden_size, spec.intermediate_size
+    width = spec.hidden_size
     weight = (1.0 + 0.1 * torch.randn(width, generator=generator)).to(dtype)
     probes: dict[str, tuple[RowFn, torch.Tensor]] = {
         f"rms_norm [M, {width}] {name}": (
             norm_fn(ops, weight, spec.rms_norm_eps),
             _rows(2 * width, dtype, generator),
-        ),
-        f"silu_mul [M, {inter}] {name}": (ops.silu_mul, 3 * _rows(2 * inter, dtype, generator)),
+        )
+    }
+    for inter in mlp_widths(spec):
+        probes[f"silu_mul [M, {inter}] {name}"] = (ops.silu_mul, 3 * _rows(2 * inter, dtype, generator))
+    probes |= {
         f"rotary [M, qkv {spec.num_heads}+2x{spec.num_kv_heads}x{spec.head_dim}] {name}": (
             rotary_fn(ops, spec),
             _rows((spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim, dtype, generator),
         ),
     }
+    if spec.is_moe:
+        experts, k = spec.num_experts, spec.num_experts_per_tok
+        # logits on a coarse grid, so rows hold ties (broken by expert index)
+        logits = torch.round(4 * torch.randn(PROBE_ROWS, experts, generator=generator)) / 4
+        probes[f"moe_route [M, {experts}] top-{k} fp32"] = (route_fn(ops, k, spec.norm_topk_prob), logits)
     if spec.qk_norm:
         head_weight = (1.0 + 0.1 * torch.randn(spec.head_dim, generator=generator)).to(dtype)
         probes[f"rms_norm [M, {spec.head_dim}] {name}"] = (
@@ -163,6 +171,47 @@ def elementwise_probes(
     for label, (fn, rows) in probes.items():
         op, shape = label.split(" ", 1)
         results.append(row_probe(op, shape, fn, rows, sizes, threads, generator))
+    return results
+
+
+def mlp_widths(spec: ModelSpec) -> list[int]:
+    """The widths silu_mul runs at: the dense MLP's, or the experts' and the shared expert's."""
+    if not spec.is_moe:
+        return [spec.intermediate_size]
+    return sorted({spec.moe_intermediate_size, spec.shared_expert_intermediate_size} - {0})
+
+
+def route_fn(ops: OpsBackend, k: int, normalize: bool) -> RowFn:
+    """[M, E] fp32 router logits -> [M, 2k] fp32: the chosen experts' ids (exact as floats), then their
+    weights."""
+
+    def route(logits: torch.Tensor) -> torch.Tensor:
+        ids, weights = ops.moe_route(logits.contiguous(), k, normalize)
+        return torch.cat((ids.to(torch.float32), weights), dim=1)
+
+    return route
+
+
+@dataclass(frozen=True)
+class BlockProbe:
+    """A whole block of the model to probe as a row function, with its real weights."""
+
+    op: str  # e.g. "moe"
+    shape: str  # what the report shows: width, experts, formats
+    fn: RowFn  # [M, width] -> [M, ...]
+    width: int
+
+
+def block_probes(
+    blocks: Sequence[BlockProbe], ops: OpsBackend, threads: int, generator: torch.Generator
+) -> list[ProbeResult]:
+    """Each block (e.g. a mixture-of-experts MLP: router, routing, every routed expert's GEMMs, the ordered
+    sum) on random rows alone vs inside random batches, where each expert's load differs per batch."""
+    sizes = batch_sizes(ops.numerics.tile_rows)
+    results = []
+    for block in blocks:
+        rows = _rows(block.width, ops.numerics.dtype, generator)
+        results.append(row_probe(block.op, block.shape, block.fn, rows, sizes, threads, generator))
     return results
 
 

@@ -204,6 +204,16 @@ class QuantLinear:
         """x [M, K] bf16 or fp32 -> [M, N] in out_dtype."""
         return self.forward_with_flags(x, 0)
 
+    @property
+    def table(self) -> ctypes.Array[_Part]:
+        """The parts table the C entry point reads (ops/fused.py passes it on)."""
+        return self._table
+
+    @property
+    def bias_pointer(self) -> int | None:
+        """Address of the fp32 bias [N], or None."""
+        return self._bias_ptr
+
     def forward_with_flags(self, x: torch.Tensor, flags: int) -> torch.Tensor:
         """__call__ with the C entry point's test hooks (TEST_*: negative controls in tests only)."""
         if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 or x.shape[1] != self.in_features:

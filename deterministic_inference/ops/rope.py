@@ -3,16 +3,29 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from deterministic_inference.model.spec import RopeScaling
+from deterministic_inference.ops import portable
+
+if TYPE_CHECKING:
+    from deterministic_inference.ops.native import NativeKernels
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """[head_dim // 2] fp32 inverse frequencies, with Llama-3 scaling when given (same formula as HF)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None, kernels: NativeKernels | None = None
+) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies, with Llama-3 scaling when given (same formula as HF).
+
+    With `kernels` the power theta^e comes from the portable kernels (torch's pow dispatches on the ISA);
+    the scaling is elementwise +, -, *, / and comparisons, which round the same in every torch kernel."""
+    if kernels is not None:
+        inv_freq = portable.inverse_frequencies(kernels, theta, head_dim)
+    else:
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
@@ -31,16 +44,28 @@ class RotaryTable:
     """cos/sin for every position up to `max_positions`, computed once in fp32.
 
     Why invariant: a token's rotation is read from the table by its absolute position, so it cannot
-    depend on the batch, the chunk it arrives in, or whether it is computed in prefill or decode.
+    depend on the batch, the chunk it arrives in, or whether it is computed in prefill or decode. With
+    `kernels` (invariant mode) the tables come from the portable kernels (csrc/rotary_tables.c: our own
+    pow, sin and cos), so they are also the same on every CPU; without, torch's cos / sin (ISA-dispatched).
     """
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None) -> None:
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)  # [D/2]
-        positions = torch.arange(max_positions, dtype=torch.int64).float()  # [P]
-        freqs = torch.outer(positions, inv_freq)  # [P, D/2]
-        angles = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.cos = angles.cos()  # [P, D] fp32
-        self.sin = angles.sin()  # [P, D] fp32
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        max_positions: int,
+        scaling: RopeScaling | None,
+        kernels: NativeKernels | None = None,
+    ) -> None:
+        inv_freq = inverse_frequencies(head_dim, theta, scaling, kernels)  # [D/2]
+        if kernels is not None:
+            self.cos, self.sin = portable.rotary_tables(kernels, inv_freq, max_positions)  # [P, D] fp32
+        else:
+            positions = torch.arange(max_positions, dtype=torch.int64).float()  # [P]
+            freqs = torch.outer(positions, inv_freq)  # [P, D/2]
+            angles = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+            self.cos = angles.cos()  # [P, D] fp32
+            self.sin = angles.sin()  # [P, D] fp32
         self.max_positions = max_positions
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

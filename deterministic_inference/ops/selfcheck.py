@@ -21,15 +21,17 @@ from deterministic_inference.ops.backend import Numerics, select_backend
 from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.probes import (
     AttentionWorld,
+    BlockProbe,
     ProbeResult,
     attention_probe,
+    block_probes,
     elementwise_probes,
     exp_probe,
     linear_probes,
     torch_threads,
 )
 
-__all__ = ["AttentionWorld", "ProbeResult", "SelfCheckReport", "run_selfcheck", "torch_threads"]
+__all__ = ["AttentionWorld", "BlockProbe", "ProbeResult", "SelfCheckReport", "run_selfcheck", "torch_threads"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ def run_selfcheck(
     numerics: Numerics,
     threads: int | None,
     linears: Sequence[tuple[str, Linear]] | None = None,
+    blocks: Sequence[BlockProbe] = (),
 ) -> SelfCheckReport:
     """Probe every op the model uses at its real shapes through the backend `numerics` selects; threads
     None = torch's current.
@@ -105,6 +108,8 @@ def run_selfcheck(
     count does not change bits. Random data comes from a fixed seed (the check itself is reproducible).
     `linears` are the model's own linears (`DecoderModel.probe_linears`: one per role and weight-format
     mix, so every format the model uses is probed); None probes random dense weights of `spec`'s shapes.
+    `blocks` are whole blocks of the model probed as row functions (`DecoderModel.probe_blocks`: its
+    first mixture-of-experts MLP, where expert loads change with the batch).
     """
     probe_threads = threads if threads is not None else torch.get_num_threads()
     start = time.perf_counter()
@@ -114,6 +119,7 @@ def run_selfcheck(
     with torch_threads(probe_threads):
         results.extend(linear_probes(spec, ops, probe_threads, generator, linears))
         results.extend(elementwise_probes(spec, ops, probe_threads, generator))
+        results.extend(block_probes(blocks, ops, probe_threads, generator))
         results.append(exp_probe(generator))
         results.append(attention_probe(spec, ops, probe_threads, generator))
     return SelfCheckReport(

@@ -34,13 +34,16 @@ from deterministic_inference.server import schemas
 from deterministic_inference.server.body import JSONBodyRoute
 from deterministic_inference.server.errors import as_api_error, install_error_handlers
 from deterministic_inference.server.formatting import json_response
+from deterministic_inference.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from deterministic_inference.server.metrics import ServerMetrics
 from deterministic_inference.server.middleware import AuthMetricsMiddleware
-from deterministic_inference.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from deterministic_inference.server.protocol import ChatCompletionRequest, CompletionRequest
+from deterministic_inference.server.protocol_generate import GenerateRequest
 from deterministic_inference.server.serving import ServingContext, created_now
 from deterministic_inference.server.serving_chat import create_chat_completion
 from deterministic_inference.server.serving_completions import create_completion
 from deterministic_inference.server.serving_generate import generate
+from deterministic_inference.server.weights_route import add_weight_update
 
 DEFAULT_MAX_WAITING = 256
 STREAMED: dict[str, type[BaseModel]] = {  # path -> the model of each streamed event
@@ -80,7 +83,13 @@ def create_app(
     async_engine.on_load_failure = on_load_failure
     async_engine.on_ready = on_ready
     async_engine.on_failure = on_failure
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(
+        model_name=lambda: settings.served_model_name or (async_engine.info.model_name if async_engine.info
+                                                          else None),
+        engine_stats=async_engine.stats,
+        ready=lambda: async_engine.ready,
+        fingerprint=lambda: async_engine.info.system_fingerprint if async_engine.info else None,
+    )
     ctx = ServingContext(async_engine, metrics, settings.served_model_name)
 
     @contextlib.asynccontextmanager
@@ -107,6 +116,7 @@ def create_app(
     app.state.stopped_cleanly = False
     install_error_handlers(app)
     _add_routes(app, ctx)
+    add_weight_update(app, ctx)  # POST /update_weights and its gate (before the auth middleware)
     _publish_schema(app, secured=settings.api_key is not None)
     app.add_middleware(AuthMetricsMiddleware, api_key=settings.api_key, metrics=metrics)
     return app
@@ -143,6 +153,16 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         """Drop every prefix-cache block no running request holds."""
         return await _guarded(_flush_cache(ctx))
 
+    @app.post(
+        "/reset_prefix_cache",
+        response_model=schemas.FlushResult,
+        responses=schemas.error_responses(401, 503),
+        tags=["admin"],
+    )
+    async def reset_prefix_cache() -> Response:
+        """vLLM's name for /flush_cache: drop every prefix-cache block no running request holds."""
+        return await _guarded(_flush_cache(ctx))
+
     @app.get(
         "/healthz", response_model=schemas.Health, responses={503: {"model": schemas.Health}}, tags=["admin"]
     )
@@ -154,9 +174,8 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         "/metrics", response_class=PlainTextResponse, responses=schemas.error_responses(401), tags=["admin"]
     )
     async def metrics() -> Response:
-        """Prometheus metrics (text exposition format 0.0.4)."""
-        text = ctx.metrics.render(ctx.engine.stats(), ctx.engine.ready)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        """Prometheus metrics (text exposition format 0.0.4; vLLM's names where the meaning is the same)."""
+        return Response(ctx.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
 
 def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:

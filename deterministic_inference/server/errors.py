@@ -118,12 +118,12 @@ def validation_error(error: ValidationError | RequestValidationError) -> APIErro
 
 def field_path(loc: list[Any]) -> str:
     """A pydantic loc as the request's field path ("messages[0].content"), without pydantic's
-    union-branch labels ("str", "list[int]", "function-after[...]")."""
+    union-branch labels ("str", "list[int]", "function-after[...]", a model's class name)."""
     path = ""
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif not any(ch in part for ch in "[]()") and part not in _TYPE_LABELS:
+        elif not any(ch in part for ch in "[]()") and part not in _TYPE_LABELS and not part[:1].isupper():
             path += f".{part}" if path else part
     return path
 

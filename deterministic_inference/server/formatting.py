@@ -100,6 +100,37 @@ def completion_logprobs(
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
+def vllm_prompt_logprobs(
+    tokenizer: Tokenizer,
+    token_ids: Sequence[int],
+    logprobs: Sequence[float | None],
+    top_logprobs: Sequence[Sequence[tuple[int, float]]] | None,
+    num_top: int,
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` of a completion choice: None for the first prompt token, then per token a
+    dict keyed by token id (as a string) holding the prompt token itself and the `num_top` best, each
+    ``{"logprob", "rank", "decoded_token"}``. The prompt token's rank is known when it is among the top
+    alternatives; otherwise it is null (the engine does not rank the whole vocabulary)."""
+    result: list[dict[str, dict[str, Any]] | None] = []
+    for position, token_id in enumerate(token_ids):
+        value = logprobs[position] if position < len(logprobs) else None
+        if position == 0 or value is None:
+            result.append(None)
+            continue
+        known = top_logprobs is not None and position < len(top_logprobs)
+        step = list(top_logprobs[position]) if top_logprobs is not None and known else []
+        ranks = {alt: rank for rank, (alt, _) in enumerate(step, start=1)}
+        entry = {str(token_id): _vllm_logprob(tokenizer, token_id, value, ranks.get(token_id))}
+        for rank, (alt, alt_value) in enumerate(step[:num_top], start=1):
+            entry.setdefault(str(alt), _vllm_logprob(tokenizer, alt, alt_value, rank))
+        result.append(entry)
+    return result
+
+
+def _vllm_logprob(tokenizer: Tokenizer, token_id: int, value: float, rank: int | None) -> dict[str, Any]:
+    return {"logprob": finite(value), "rank": rank, "decoded_token": tokenizer.decode([token_id], False)}
+
+
 def text_length(tokenizer: Tokenizer, token_id: int) -> int:
     """Characters a token adds to decoded text (0 for special tokens like BOS); for `text_offset`."""
     return len(tokenizer.decode([token_id]))

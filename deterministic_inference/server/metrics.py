@@ -1,162 +1,176 @@
-"""Prometheus metrics in the text exposition format (version 0.0.4), written without a client library.
+"""Prometheus metrics through `prometheus_client`, in a registry owned by each app (no global state).
 
-Counters and histograms are updated from the event loop only (single thread, no locks needed); the
-engine gauges come from the snapshot the engine thread publishes after each step.
+Where a metric means what vLLM's does, it has vLLM's name and its ``model_name`` label, so dashboards
+and alerts written for vLLM work unchanged:
+
+    vllm:num_requests_running, vllm:num_requests_waiting      gauges: sequences in the engine
+    vllm:kv_cache_usage_perc                                  gauge: KV blocks in use / pool (0..1)
+    vllm:prompt_tokens_total, vllm:generation_tokens_total    counters (finished requests)
+    vllm:request_success_total{finished_reason}               counter: finished requests by reason
+    vllm:time_to_first_token_seconds                          histogram
+    vllm:e2e_request_latency_seconds                          histogram
+    vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total   counters, in tokens
+    vllm:num_preemptions_total                                counter
+
+Ours (``detinf_``): HTTP requests by path and status, aborted requests, readiness, admitted sequences,
+KV blocks, prefix-cache admissions and evictions, the invariance mode (``detinf_batch_invariant``), the
+start-up self-check (``detinf_selfcheck_info{status}``, ``detinf_selfcheck_probes``) and the
+fingerprint (``detinf_fingerprint_info{system_fingerprint, model_name}``).
+
+Request counters and histograms are updated from the event loop; engine values are read at scrape
+time from the snapshot the engine thread publishes after each step (a collector, not stored twice).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-PREFIX = "detinf"
-
-
-class Histogram:
-    """Cumulative-bucket histogram of seconds."""
-
-    def __init__(self, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
-        self.buckets = tuple(buckets)
-        self.counts = [0] * len(self.buckets)
-        self.total = 0
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        """Add one observation."""
-        self.total += 1
-        self.sum += value
-        for index, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[index] += 1
-
-    def lines(self, name: str, labels: str = "") -> list[str]:
-        """Exposition lines (_bucket, _sum, _count)."""
-        sep = "," if labels else ""
-        out = [
-            f'{name}_bucket{{{labels}{sep}le="{_num(b)}"}} {c}'
-            for b, c in zip(self.buckets, self.counts, strict=True)
-        ]
-        out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.total}')
-        suffix = f"{{{labels}}}" if labels else ""
-        out.append(f"{name}_sum{suffix} {_num(self.sum)}")
-        out.append(f"{name}_count{suffix} {self.total}")
-        return out
+MODEL_LABEL = "model_name"
 
 
 class ServerMetrics:
-    """Request counters by endpoint and status, token counters, latency histograms."""
+    """The server's metrics. `model_name` gives the served model's name (None until the engine is
+    loaded); `engine_stats` and `ready` read the engine's latest snapshot at scrape time."""
 
-    def __init__(self) -> None:
-        self.requests: dict[tuple[str, int], int] = {}  # (path, status) -> count
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.aborted_requests = 0
-        self.time_to_first_token = Histogram()
-        self.request_latency = Histogram()
+    def __init__(
+        self,
+        model_name: Callable[[], str | None],
+        engine_stats: Callable[[], dict[str, Any]],
+        ready: Callable[[], bool],
+        fingerprint: Callable[[], str | None],
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._model_name = model_name
+        registry = self.registry
+        self.requests = Counter("detinf_requests", "HTTP requests by path and status code",
+                                ("path", "status"), registry=registry)
+        self.aborted = Counter("detinf_aborted_requests", "requests aborted (client gone)", registry=registry)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "prompt tokens of finished requests",
+                                     (MODEL_LABEL,), registry=registry)
+        self.generation_tokens = Counter("vllm:generation_tokens", "generated tokens of finished requests",
+                                         (MODEL_LABEL,), registry=registry)
+        self.success = Counter("vllm:request_success", "finished requests by finish reason",
+                               (MODEL_LABEL, "finished_reason"), registry=registry)
+        self.time_to_first_token = Histogram("vllm:time_to_first_token_seconds",
+                                             "time from arrival to the first token", (MODEL_LABEL,),
+                                             buckets=LATENCY_BUCKETS, registry=registry)
+        self.latency = Histogram("vllm:e2e_request_latency_seconds", "time from arrival to the last token",
+                                 (MODEL_LABEL,), buckets=LATENCY_BUCKETS, registry=registry)
+        registry.register(_EngineCollector(model_name, engine_stats, ready, fingerprint))
 
     def count_request(self, path: str, status: int) -> None:
         """One HTTP request answered with `status`."""
-        key = (path, status)
-        self.requests[key] = self.requests.get(key, 0) + 1
+        self.requests.labels(path=path, status=str(status)).inc()
 
-    def observe_finished(self, prompt_tokens: int, generation_tokens: int, latency: float) -> None:
-        """One engine request finished."""
-        self.prompt_tokens += prompt_tokens
-        self.generation_tokens += generation_tokens
-        self.request_latency.observe(latency)
+    def count_aborted(self) -> None:
+        """One request aborted because its client went away."""
+        self.aborted.inc()
 
-    def render(self, engine_stats: dict[str, Any], ready: bool) -> str:
-        """The whole exposition text."""
-        lines: list[str] = []
-        _metric(
-            lines,
-            "requests_total",
-            "counter",
-            "HTTP requests by path and status code",
-            ((f'path="{_esc(p)}",status="{s}"', v) for (p, s), v in sorted(self.requests.items())),
-        )
-        _metric(
-            lines,
-            "prompt_tokens_total",
-            "counter",
-            "prompt tokens of finished requests",
-            [("", self.prompt_tokens)],
-        )
-        _metric(
-            lines,
-            "generation_tokens_total",
-            "counter",
-            "generated tokens of finished requests",
-            [("", self.generation_tokens)],
-        )
-        _metric(
-            lines,
-            "aborted_requests_total",
-            "counter",
-            "requests aborted (client gone)",
-            [("", self.aborted_requests)],
-        )
-        _histogram(
-            lines,
-            "time_to_first_token_seconds",
-            "time from arrival to the first token",
-            self.time_to_first_token,
-        )
-        _histogram(
-            lines, "request_latency_seconds", "time from arrival to the last token", self.request_latency
-        )
-        cache = engine_stats.get("prefix_cache", {})
-        gauges = [
-            ("ready", "1 when the engine serves requests", int(ready)),
-            ("num_requests_waiting", "sequences waiting in the engine", engine_stats.get("num_waiting", 0)),
-            ("num_requests_running", "sequences running in the engine", engine_stats.get("num_running", 0)),
-            (
-                "num_inflight_sequences",
-                "sequences admitted by the server and not finished",
-                engine_stats.get("num_inflight_sequences", 0),
-            ),
-            ("kv_blocks_used", "KV-cache blocks held by requests", engine_stats.get("kv_blocks_used", 0)),
-            ("kv_blocks_total", "KV-cache blocks in the pool", engine_stats.get("kv_blocks_total", 0)),
-        ]
-        for name, help_text, value in gauges:
-            _metric(lines, name, "gauge", help_text, [("", value)])
-        for key in ("queries", "queried_tokens", "hit_tokens", "evictions"):
-            _metric(
-                lines,
-                f"prefix_cache_{key}_total",
-                "counter",
-                f"prefix cache {key.replace('_', ' ')}",
-                [("", cache.get(key, 0))],
-            )
-        return "\n".join(lines) + "\n"
+    def observe_first_token(self, seconds: float) -> None:
+        """Time to the first token of one request."""
+        self.time_to_first_token.labels(self._model()).observe(seconds)
+
+    def observe_finished(
+        self, prompt_tokens: int, generation_tokens: int, latency: float, finish_reasons: Sequence[str | None]
+    ) -> None:
+        """One engine request finished (its choices' finish reasons)."""
+        model = self._model()
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.generation_tokens.labels(model).inc(generation_tokens)
+        self.latency.labels(model).observe(latency)
+        for reason in finish_reasons:
+            self.success.labels(model, reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        """The exposition text (format 0.0.4)."""
+        return bytes(generate_latest(self.registry))
+
+    def _model(self) -> str:
+        return self._model_name() or ""
 
 
-def _metric(
-    lines: list[str], name: str, kind: str, help_text: str, samples: Iterable[tuple[str, float]]
-) -> None:
-    full = f"{PREFIX}_{name}"
-    lines.append(f"# HELP {full} {help_text}")
-    lines.append(f"# TYPE {full} {kind}")
-    for labels, value in samples:
-        lines.append(f"{full}{{{labels}}} {_num(value)}" if labels else f"{full} {_num(value)}")
+class _EngineCollector(Collector):
+    """Engine gauges and counters from the engine's latest snapshot, read at each scrape."""
+
+    def __init__(
+        self,
+        model_name: Callable[[], str | None],
+        engine_stats: Callable[[], dict[str, Any]],
+        ready: Callable[[], bool],
+        fingerprint: Callable[[], str | None],
+    ) -> None:
+        self.model_name = model_name
+        self.engine_stats = engine_stats
+        self.ready = ready
+        self.fingerprint = fingerprint
+
+    def collect(self) -> Iterator[Metric]:
+        stats, model = self.engine_stats(), self.model_name() or ""
+        cache = stats.get("prefix_cache", {})
+        used, total = stats.get("kv_blocks_used", 0), stats.get("kv_blocks_total", 0)
+        yield _gauge("vllm:num_requests_running", "sequences running in the engine",
+                     stats.get("num_running", 0), model)
+        yield _gauge("vllm:num_requests_waiting", "sequences waiting in the engine",
+                     stats.get("num_waiting", 0), model)
+        yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage: blocks in use / pool (1 = full)",
+                     used / total if total else 0.0, model)
+        yield _counter("vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                       cache.get("queried_tokens", 0), model)
+        yield _counter("vllm:prefix_cache_hits", "prompt tokens served from the prefix cache",
+                       cache.get("hit_tokens", 0), model)
+        yield _counter("vllm:num_preemptions", "sequences preempted (recomputed later)",
+                       stats.get("num_preemptions", 0), model)
+        yield from self._own(stats, cache, used, total, model)
+
+    def _own(self, stats: dict[str, Any], cache: dict[str, Any], used: int, total: int,
+             model: str) -> Iterator[Metric]:
+        yield _gauge("detinf_ready", "1 when the engine serves requests", int(self.ready()))
+        yield _gauge("detinf_num_inflight_sequences", "sequences admitted by the server and not finished",
+                     stats.get("num_inflight_sequences", 0))
+        yield _gauge("detinf_kv_blocks_used", "KV-cache blocks held by requests", used)
+        yield _gauge("detinf_kv_blocks_total", "KV-cache blocks in the pool", total)
+        for key, text in (("queries", "admissions that looked up the prefix cache"),
+                          ("queried_tokens", "prompt tokens looked up in the prefix cache"),
+                          ("hit_tokens", "prompt tokens served from the prefix cache"),
+                          ("evictions", "cached blocks evicted to reuse them")):
+            yield _counter(f"detinf_prefix_cache_{key}", text, cache.get(key, 0))
+        if "batch_invariant" in stats:
+            yield _gauge("detinf_batch_invariant", "1 when batch-invariant (reproducible) ops run, 0 for "
+                         "plain torch ops", int(bool(stats["batch_invariant"])))
+            check = stats.get("selfcheck")
+            status = "skipped" if check is None else ("passed" if check["passed"] else "failed")
+            info = GaugeMetricFamily("detinf_selfcheck_info", "the start-up invariance self-check's outcome",
+                                     labels=("status",))
+            info.add_metric((status,), 1)
+            yield info
+            yield _gauge("detinf_selfcheck_probes", "op probes the start-up self-check ran",
+                         0 if check is None else check["probes"])
+        fingerprint = self.fingerprint()
+        if fingerprint is not None:
+            info = GaugeMetricFamily("detinf_fingerprint_info", "the engine's system_fingerprint (label)",
+                                     labels=("system_fingerprint", MODEL_LABEL))
+            info.add_metric((fingerprint, model), 1)
+            yield info
 
 
-def _histogram(lines: list[str], name: str, help_text: str, histogram: Histogram) -> None:
-    full = f"{PREFIX}_{name}"
-    lines.append(f"# HELP {full} {help_text}")
-    lines.append(f"# TYPE {full} histogram")
-    lines.extend(histogram.lines(full))
+def _gauge(name: str, text: str, value: float, model: str | None = None) -> GaugeMetricFamily:
+    if model is None:
+        return GaugeMetricFamily(name, text, value=value)
+    family = GaugeMetricFamily(name, text, labels=(MODEL_LABEL,))
+    family.add_metric((model,), value)
+    return family
 
 
-def _num(value: float) -> str:
-    if isinstance(value, int):
-        return str(value)
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
-
-
-def _esc(text: str) -> str:
-    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def _counter(name: str, text: str, value: float, model: str | None = None) -> CounterMetricFamily:
+    if model is None:
+        return CounterMetricFamily(name, text, value=value)
+    family = CounterMetricFamily(name, text, labels=(MODEL_LABEL,))
+    family.add_metric((model,), value)
+    return family

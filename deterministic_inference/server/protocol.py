@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI endpoints and SGLang's `/generate` (pydantic, strict types).
+"""Request bodies of the OpenAI endpoints (pydantic, strict types); SGLang's `/generate` is in
+`protocol_generate`.
 
 Types are strict (a string where a number is expected is a 400, never coerced); unknown fields are
 ignored like the OpenAI API does, except the features this server does not implement (tools,
@@ -18,7 +19,6 @@ from deterministic_inference.engine.sampling_params import MAX_LOGPROBS, SEED_LI
 from deterministic_inference.server.errors import APIError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
-DEFAULT_GENERATE_MAX_TOKENS = 128  # SGLang's default max_new_tokens
 MAX_STOP_STRINGS = 16  # each stop string is searched after every token
 MAX_STOP_TOKEN_IDS = 1024
 
@@ -114,6 +114,8 @@ class CompletionRequest(_SamplingFields):
     )
     logprobs: int | None = _ranged(**_TOP)
     echo: bool | None = None
+    prompt_logprobs: int | None = _ranged(**_TOP)  # vLLM: per prompt token, the token and the top k
+    return_token_ids: bool | None = None  # vLLM: choices carry prompt_token_ids and token_ids
     suffix: str | None = None
     best_of: int | None = _ranged(**_COUNT)
 
@@ -220,72 +222,6 @@ def _message_text(index: int, content: str | list[dict[str, Any]] | None) -> str
             raise APIError(400, "text part must have a string 'text'", param=f"messages[{index}].content")
         texts.append(text)
     return "".join(texts)
-
-
-class GenerateSamplingParams(_Body):
-    """SGLang `sampling_params` (the subset this engine implements)."""
-
-    max_new_tokens: int | None = _ranged(**_COUNT)
-    temperature: float | None = _ranged(**_TEMPERATURE)
-    top_p: float | None = _ranged(exclusiveMinimum=0, maximum=1)
-    top_k: int | None = _ranged(minimum=-1)
-    min_p: float | None = _ranged(minimum=0, maximum=1)
-    sampling_seed: int | None = _ranged(**_SEED)
-    n: int | None = _ranged(**_COUNT)
-    stop: str | list[str] | None = _ranged(**_STOP)
-    stop_token_ids: list[int] | None = _ranged(**_STOP_IDS)
-    presence_penalty: float | None = _ranged(**_PENALTY)
-    frequency_penalty: float | None = _ranged(**_PENALTY)
-    repetition_penalty: float | None = _ranged(**_REPETITION)
-    ignore_eos: bool | None = None
-
-
-class GenerateRequest(_Body):
-    """SGLang's native POST /generate: exactly one of `text` and `input_ids`."""
-
-    model_config = ConfigDict(
-        json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]}
-    )
-
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = _ranged(items={"minimum": 0})
-    sampling_params: GenerateSamplingParams | None = None
-    stream: bool | None = None
-    return_logprob: bool | None = None
-    top_logprobs_num: int | None = _ranged(**_TOP)
-
-    def prompts(self) -> tuple[list[str | list[int]], bool]:
-        """(prompts, batched): from `text` or `input_ids`, exactly one of them."""
-        if (self.text is None) == (self.input_ids is None):
-            raise APIError(400, "give exactly one of text or input_ids", param="text")
-        if isinstance(self.text, str):
-            return [self.text], False
-        if self.text is not None:
-            return list(self.text), True
-        ids = self.input_ids or []
-        if ids and all(isinstance(item, int) for item in ids):
-            return [list(ids)], False  # type: ignore[arg-type]
-        return list(ids), True  # type: ignore[arg-type]
-
-    def params(self) -> SamplingParams:
-        """SamplingParams with SGLang's defaults (temperature 1, 128 new tokens)."""
-        sp = self.sampling_params or GenerateSamplingParams()
-        return SamplingParams(
-            n=_default(sp.n, 1),
-            max_tokens=_default(sp.max_new_tokens, DEFAULT_GENERATE_MAX_TOKENS),
-            temperature=_default(sp.temperature, 1.0),
-            top_p=_default(sp.top_p, 1.0),
-            top_k=_default(sp.top_k, 0),
-            min_p=_default(sp.min_p, 0.0),
-            seed=sp.sampling_seed,
-            presence_penalty=_default(sp.presence_penalty, 0.0),
-            frequency_penalty=_default(sp.frequency_penalty, 0.0),
-            repetition_penalty=_default(sp.repetition_penalty, 1.0),
-            stop=stop_strings(sp.stop, "sampling_params.stop"),
-            stop_token_ids=stop_token_ids(sp.stop_token_ids, "sampling_params.stop_token_ids"),
-            ignore_eos=bool(sp.ignore_eos),
-            logprobs=(self.top_logprobs_num or 0) if self.return_logprob else None,
-        )
 
 
 def stop_strings(value: str | list[str] | None, param: str) -> tuple[str, ...]:

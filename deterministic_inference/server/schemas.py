@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-LogprobPair = list[float | int | None]  # SGLang's [logprob, token id, token text (always null)]
+LogprobPair = list[float | int | str | None]  # SGLang's [logprob or null, token id, token text or null]
 
 
 class ErrorDetail(BaseModel):
@@ -145,7 +145,10 @@ class GenerateMeta(BaseModel):
     completion_tokens: int
     cached_tokens: int
     system_fingerprint: str
+    input_token_logprobs: list[LogprobPair] | None = None
     output_token_logprobs: list[LogprobPair] | None = None
+    output_token_logprobs_length: int | None = None
+    input_top_logprobs: list[list[LogprobPair] | None] | None = None
     output_top_logprobs: list[list[LogprobPair]] | None = None
 
 

@@ -120,21 +120,31 @@ class ServingContext:
     async def submit(
         self,
         prompts: Sequence[list[int]],
-        params: SamplingParams,
+        params: SamplingParams | Sequence[SamplingParams],
         prefix: str,
         prompt_param: str = "prompt",
         max_tokens_param: str = "max_tokens",
     ) -> list[Tracked]:
-        """Check every prompt, then submit one engine request per prompt; all accepted or none (the
-        others are aborted)."""
+        """Check every prompt, then submit one engine request per prompt (`params`: shared, or one per
+        prompt); all accepted or none (the others are aborted)."""
         info = self.info()
-        self.check_capacity(len(prompts), params.n, prompt_param)
-        checked = [info.limits.check(ids, params, prompt_param, max_tokens_param) for ids in prompts]
+        each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        counts = sorted({p.n for p in each})
+        if len(counts) <= 1:
+            self.check_capacity(len(prompts), counts[0] if counts else 1, prompt_param)
+        elif sum(p.n for p in each) > self.engine.capacity:
+            raise InvalidRequestError(
+                f"{prompt_param}: {sum(p.n for p in each)} sequences exceed the server's capacity of "
+                f"{self.engine.capacity}; send fewer at once",
+                param=prompt_param,
+            )
+        pairs = zip(prompts, each, strict=True)
+        checked = [info.limits.check(ids, p, prompt_param, max_tokens_param) for ids, p in pairs]
         tracked: list[Tracked] = []
         try:
-            for ids in checked:
+            for ids, p in zip(checked, each, strict=True):
                 request_id = self.engine.new_request_id(prefix)
-                stream = await self.engine.add(ids, params, request_id)
+                stream = await self.engine.add(ids, p, request_id)
                 tracked.append(Tracked(stream, self.metrics, time.monotonic()))
         except BaseException:
             for item in tracked:
@@ -160,11 +170,12 @@ class Tracked:
             self.assembler = assembler = fold(self.assembler, delta)
             if not self._first_token_seen and any(piece.token_ids for piece in delta.outputs):
                 self._first_token_seen = True
-                self.metrics.time_to_first_token.observe(time.monotonic() - self.start)
+                self.metrics.observe_first_token(time.monotonic() - self.start)
             if delta.finished:
                 self.final = assembler.output()
                 self.metrics.observe_finished(
-                    len(assembler.prompt.token_ids), assembler.num_generated, time.monotonic() - self.start
+                    len(assembler.prompt.token_ids), assembler.num_generated, time.monotonic() - self.start,
+                    [choice.finish_reason for choice in self.final.outputs],
                 )
             yield delta
 
@@ -179,7 +190,7 @@ class Tracked:
     def close(self) -> None:
         """Abort if unfinished (counted as aborted) and release the admission slot."""
         if not self.stream.finished and self.final is None:
-            self.metrics.aborted_requests += 1
+            self.metrics.count_aborted()
         self.stream.close()
 
 

@@ -29,6 +29,7 @@ from deterministic_inference.server.formatting import (
     sse_event,
     text_length,
     usage,
+    vllm_prompt_logprobs,
 )
 from deterministic_inference.server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
 from deterministic_inference.server.serving import (
@@ -50,10 +51,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     model = ctx.check_model(body.model)
     info = ctx.info()
     tokenizer = info.tokenizer
-    echo = bool(body.echo)
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-    prompt_logprobs = body.logprobs if echo and body.logprobs is not None else None
-    params = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs)
+    params = body.sampling_params(max_tokens, body.logprobs, _prompt_top(body))
     prompts = body.prompts()
     ctx.check_capacity(len(prompts), params.n)
     ids = [p if isinstance(p, list) else await ctx.encode(p, "prompt") for p in prompts]
@@ -79,6 +78,13 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     return json_response(document)
 
 
+def _prompt_top(body: CompletionRequest) -> int | None:
+    """Top alternatives the engine computes per prompt position: for echo + logprobs and for vLLM's
+    prompt_logprobs (the larger; each view slices its own); None when neither asks."""
+    wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+    return max(wanted) if wanted else None
+
+
 class _CompletionView:
     """Turns engine outputs into completion choices (echo, logprobs)."""
 
@@ -91,6 +97,8 @@ class _CompletionView:
         self.prompts = prompts
         self.n = n
         self.include_usage = body.include_usage
+        self.vllm_prompt_logprobs = body.prompt_logprobs
+        self.token_ids = bool(body.return_token_ids)
 
     def prompt_text(self, index: int) -> str:
         """The echoed prompt: the string given, or the decoded token ids."""
@@ -103,7 +111,24 @@ class _CompletionView:
             ids, values, tops = prompt.token_ids, prompt.logprobs, prompt.top_logprobs
         else:
             ids, values, tops = prompt.prompt_token_ids, prompt.prompt_logprobs, prompt.prompt_top_logprobs
+        if tops is not None and self.logprobs is not None:
+            tops = [list(step[: self.logprobs]) for step in tops]
         return completion_logprobs(self.tokenizer, ids, list(values or [None] * len(ids)), tops, 0)
+
+    def prompt_extras(self, prompt: PromptData | RequestOutput) -> dict[str, Any]:
+        """vLLM's per-choice prompt fields: `prompt_logprobs` and (return_token_ids) `prompt_token_ids`."""
+        if isinstance(prompt, PromptData):
+            ids, values, tops = prompt.token_ids, prompt.logprobs, prompt.top_logprobs
+        else:
+            ids, values, tops = prompt.prompt_token_ids, prompt.prompt_logprobs, prompt.prompt_top_logprobs
+        extras: dict[str, Any] = {}
+        if self.vllm_prompt_logprobs is not None:
+            extras["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.tokenizer, ids, values or [None] * len(ids), tops, self.vllm_prompt_logprobs
+            )
+        if self.token_ids:
+            extras["prompt_token_ids"] = list(ids)
+        return extras
 
     def tokens_logprobs(self, choice: CompletionOutput | CompletionDelta, text_offset: int) -> dict[str, Any]:
         """Logprobs block of a choice's (or a delta's) generated tokens."""
@@ -125,13 +150,17 @@ class _CompletionView:
                 )
         elif self.logprobs is not None:
             logprobs = self.tokens_logprobs(choice, 0)
-        return {
+        document = {
             "index": index * self.n + choice.index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
+            **self.prompt_extras(output),
         }
+        if self.token_ids:
+            document["token_ids"] = list(choice.token_ids)
+        return document
 
 
 def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -189,6 +218,7 @@ def _piece(
         return None
     parts: list[dict[str, Any]] = []
     text = ""
+    extras = {} if state.started else view.prompt_extras(prompt)  # vLLM: prompt fields in the first chunk
     if not state.started and view.echo:
         text = view.prompt_text(index)
         state.text_offset = len(text)
@@ -202,10 +232,14 @@ def _piece(
     text += piece.text
     state.text_offset += sum(text_length(view.tokenizer, t) for t in piece.token_ids)
     state.finished = piece.finish_reason is not None
-    return {
+    chunk = {
         "index": index * view.n + piece.index,
         "text": text,
         "logprobs": merge_completion_logprobs(parts) if parts else None,
         "finish_reason": piece.finish_reason,
         "stop_reason": piece.stop_reason if state.finished else None,
+        **extras,
     }
+    if view.token_ids:
+        chunk["token_ids"] = list(piece.token_ids)
+    return chunk

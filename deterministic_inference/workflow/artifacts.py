@@ -1,9 +1,11 @@
 """Model artifacts: where a manifest's model files are, hashing them, and checking them against a lock.
 
 ``model.source`` is ``{"type": "default"}`` (the GGUF file of the installed default-model package),
-``{"type": "path", "path": P}`` (a GGUF file or a Hugging Face directory; relative to the manifest) or
-``{"type": "remote", "name": N}`` (served elsewhere: nothing to hash). ``model.files[].path`` are relative
-to the model root: the directory of a GGUF file, or the HF directory itself.
+``{"type": "path", "path": P}`` (a GGUF file or a Hugging Face directory; relative to the manifest),
+``{"type": "huggingface", "repo": ID, "revision": REV}`` (that snapshot of the local Hugging Face
+cache, resolved offline by `hf_cache`) or ``{"type": "remote", "name": N}`` (served elsewhere:
+nothing to hash). ``model.files[].path`` are relative to the model root: the directory of a GGUF file,
+or the HF directory itself.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class ModelLocation:
 
     engine_path: Path | None  # what EngineConfig.model gets (None = the embedded default model)
     root: Path | None  # directory model.files[].path are relative to (None for a remote model)
+    commit: str | None = None  # the Hugging Face commit a huggingface source resolved to
 
 
 def locate_model(source: dict[str, Any], base_dir: Path) -> ModelLocation:
@@ -39,6 +42,11 @@ def locate_model(source: dict[str, Any], base_dir: Path) -> ModelLocation:
 
         path = default_model_path()
         return ModelLocation(engine_path=None, root=path.parent)
+    if kind == "huggingface":
+        from deterministic_inference.workflow.hf_cache import resolve_snapshot
+
+        snapshot = resolve_snapshot(source["repo"], source["revision"])
+        return ModelLocation(engine_path=snapshot.path, root=snapshot.path, commit=snapshot.commit)
     path = Path(source["path"])
     path = path if path.is_absolute() else base_dir / path
     if path.is_dir():

@@ -1,9 +1,13 @@
 """The runtime closure a lock pins and a run records.
 
-It is the software closure of the fingerprint (Python, torch build, kernel-selecting environment, this
-package, every installed distribution) computed with the manifest's ``runtime.env`` applied, plus the
-thread settings and the other environment variables that describe the run. ``software_digest`` (the part
-that can change output bits) is what verify grades; the whole closure's digest is recorded beside it.
+It is the software closure of the fingerprint (Python, torch build, this package, every installed
+distribution), plus the thread settings and the other environment variables that describe the run, and
+an informational part: the ISA selection (torch's dispatch level, the kernel-selecting environment, the
+kernels' -march) computed with the manifest's ``runtime.env`` applied. ``software_digest`` (the part
+that can change output bits) is what verify grades; the closure's digest (`closure_digest`) covers
+everything but the informational part, so a lock made on one CPU matches a run on another: in portable
+numerics the ISA cannot change a bit, and where a non-portable path is used the engine fingerprint's
+numerics carry the ISA instead.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ def run_environment(manifest_env: Mapping[str, str], base: Mapping[str, str] | N
 def runtime_closure(manifest: dict[str, Any], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The runtime closure for a resolved manifest (see the module docstring)."""
     env = run_environment(manifest["runtime"]["env"], environ)
-    software = fingerprint.software_closure(env)
+    software = fingerprint.software_closure()
     return {
         "software": software,
         "software_digest": fingerprint.digest(software),
@@ -40,19 +44,24 @@ def runtime_closure(manifest: dict[str, Any], environ: Mapping[str, str] | None 
             "mkl_num_threads": env.get("MKL_NUM_THREADS"),
         },
         "env": {name: env[name] for name in RECORDED_ENV_VARS if name in env},
+        "informational": {"isa_selection": fingerprint.isa_selection(env)},
     }
 
 
 def closure_digest(closure: dict[str, Any]) -> str:
-    """Digest of a runtime closure."""
-    return fingerprint.digest(closure)
+    """Digest of a runtime closure without its informational part."""
+    return fingerprint.digest(_graded(closure))
 
 
 def closure_differences(locked: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Human-readable differences between two closures (empty when equal)."""
+    """Human-readable differences between two closures (empty when equal), informational part left out."""
     differences: list[str] = []
-    _diff(locked, current, "", differences)
+    _diff(_graded(locked), _graded(current), "", differences)
     return differences
+
+
+def _graded(closure: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in closure.items() if key != "informational"}
 
 
 def _diff(a: Any, b: Any, path: str, out: list[str]) -> None:

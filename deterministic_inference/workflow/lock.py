@@ -66,7 +66,7 @@ def create_lock(manifest: Manifest) -> dict[str, Any]:
         "generated_by": "detinf lock",
         "lock_algorithm": "sha256",
         "manifest_id": manifest.manifest_id,
-        "model": {"source": data["model"]["source"], "files": files},
+        "model": _model_record(data["model"]["source"], files, location.commit),
         "dataset": {"source": dataset.source, "digest": dataset.digest, "records": len(dataset.records)},
         "runtime_closure": runtime,
         "runtime_closure_digest": closure.closure_digest(runtime),
@@ -74,6 +74,14 @@ def create_lock(manifest: Manifest) -> dict[str, Any]:
     }
     lock["lock_id"] = compute_lock_id(lock)
     return lock
+
+
+def _model_record(source: dict[str, Any], files: list[dict[str, Any]], commit: str | None) -> dict[str, Any]:
+    """The lock's model entry; a Hugging Face source also records the commit its revision resolved to."""
+    record: dict[str, Any] = {"source": source, "files": files}
+    if commit is not None:
+        record["commit"] = commit
+    return record
 
 
 def with_closure(lock: dict[str, Any], runtime: dict[str, Any]) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from deterministic_inference.workflow.dataset import (
 from deterministic_inference.workflow.schema_errors import describe_error
 
 MANIFEST_KIND = "detinf.manifest"
+GPU_BACKENDS = ("vllm", "sglang")  # served by `detinf serve --config` in a container (workflow/gpu_serve)
 UNSET_DIGEST = "sha256:unset"
 MAX_INHERITANCE_DEPTH = 32
 
@@ -290,6 +291,12 @@ def _check_cross_fields(data: dict[str, Any], where: str) -> None:
         raise WorkflowError(
             f"{where}: $.runtime.execution.backend: a remote model needs backend 'openai_compatible'; "
             "fix: set it, or point model.source at a local model"
+        )
+    if backend in GPU_BACKENDS and source_type != "huggingface":
+        raise WorkflowError(
+            f"{where}: $.model.source: backend {backend!r} loads the model by Hugging Face id and revision; "
+            "fix: use {\"type\": \"huggingface\", \"repo\": ORG/NAME, \"revision\": REV} "
+            "(`detinf init --model-id ID --model-revision REV` writes it)"
         )
 
 

@@ -26,7 +26,7 @@ from deterministic_inference.workflow import artifacts, capture, closure, datase
 from deterministic_inference.workflow.backend_engine import BackendResult
 from deterministic_inference.workflow.canonical import run_id as compute_run_id
 from deterministic_inference.workflow.lock import check_lock_for, load_lock
-from deterministic_inference.workflow.manifest import Manifest, load_manifest
+from deterministic_inference.workflow.manifest import GPU_BACKENDS, Manifest, load_manifest
 from deterministic_inference.workflow.rundir import json_bytes, write_run_dir
 
 
@@ -66,6 +66,8 @@ def run_manifest(path: Path, options: RunOptions, log: TextIO | None = None) -> 
     prepared = prepare(manifest, options, out)
     data = manifest.data
     backend = "openai_compatible" if options.base_url else data["runtime"]["execution"]["backend"]
+    if backend in GPU_BACKENDS:  # started by `detinf serve --config`; runs reach it over HTTP
+        backend = "openai_compatible"
     base_url = options.base_url or data["runtime"]["execution"]["base_url"]
     offline = data["runtime"]["network_policy"] == "offline_required"
     if backend == "openai_compatible":
@@ -101,6 +103,12 @@ def prepare(manifest: Manifest, options: RunOptions, out: TextIO) -> Prepared:
                             "the locked "
                             f"{lock['dataset']['digest']}; restore the file or run `detinf lock` again")
     location = artifacts.locate_model(data["model"]["source"], manifest.base_dir)
+    locked_commit = lock["model"].get("commit")
+    if locked_commit is not None and location.commit != locked_commit:
+        raise WorkflowError(f"$.model.source.revision: {data['model']['source']['revision']} now resolves "
+                            f"to commit {location.commit} in the Hugging Face cache, the lock has "
+                            f"{locked_commit}; "
+                            "pin the locked commit as the revision or run `detinf lock` again")
     root = location.root
     locked_files = [root / entry["path"] for entry in lock["model"]["files"]] if root else []
     if options.verify_artifact_digests:

@@ -189,7 +189,10 @@ def _check_ids(run: RunDir) -> None:
 
 @contextmanager
 def open_run(path: Path) -> Iterator[RunDir]:
-    """A run dir, or a `detinf bundle` tar.gz extracted to a temporary directory for the block."""
+    """A run dir (or its bundle.json), or a `detinf bundle` tar.gz extracted to a temporary directory
+    for the block."""
+    if path.is_file() and path.name == BUNDLE_FILE:  # the seed tool's form: runs/<id>/bundle.json
+        path = path.parent
     if path.is_file() and path.name.endswith((".tar.gz", ".tgz")):
         with tempfile.TemporaryDirectory(prefix="detinf-bundle-") as scratch:
             yield load_run_dir(extract_bundle(path, Path(scratch)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +25,26 @@ from deterministic_inference.workflow.manifest import (
 from deterministic_inference.workflow.migrate import SEED_MANIFEST_KIND
 
 
-def init_manifest(model: Path | None, n_prompts: int, max_tokens: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class HubModel:
+    """A model named by Hugging Face id and revision (`init --model-id --model-revision`)."""
+
+    repo: str
+    revision: str
+
+
+def init_manifest(model: Path | HubModel | None, n_prompts: int, max_tokens: int) -> dict[str, Any]:
     """A manifest for `model` (None = the embedded default model), digests filled in.
 
     The default model is an instruct model, so its prompts go through the chat template (request kind
-    ``chat``); a model given by path gets plain completions (its template is unknown until loaded)."""
+    ``chat``); a model given by path or Hugging Face id gets plain completions (its template is unknown
+    until loaded). A Hugging Face model is found offline in the local cache (`hf_cache`); its manifest
+    records the id and revision, and its runs go to ``runs/<run_id>`` as the seed tool's did."""
     if not 1 <= n_prompts <= 100:
         raise WorkflowError(f"--n-prompts: {n_prompts} must be between 1 and 100 (the reference prompts)")
     if not 1 <= max_tokens <= 32768:
         raise WorkflowError(f"--max-tokens: {max_tokens} must be between 1 and 32768")
+    directory = "runs/${manifest_name}/${run_id}"
     if model is None:
         from deterministic_inference.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 
@@ -40,6 +52,14 @@ def init_manifest(model: Path | None, n_prompts: int, max_tokens: int) -> dict[s
         source: dict[str, Any] = {"type": "default"}
         files = artifacts.discover_model_files(weights)
         root, name = weights.parent, DEFAULT_MODEL_NAME
+    elif isinstance(model, HubModel):
+        from deterministic_inference.workflow.hf_cache import resolve_snapshot
+
+        snapshot = resolve_snapshot(model.repo, model.revision)
+        source = {"type": "huggingface", "repo": model.repo, "revision": model.revision}
+        files = artifacts.discover_model_files(snapshot.path)
+        root, name = snapshot.path, model.repo.rsplit("/", 1)[-1]
+        directory = "runs/${run_id}"
     else:
         model = model.resolve()
         source = {"type": "path", "path": str(model)}
@@ -85,7 +105,7 @@ def init_manifest(model: Path | None, n_prompts: int, max_tokens: int) -> dict[s
             "threads": None,
             "execution": {"backend": "embedded"},
         },
-        "outputs": {"directory": "runs/${manifest_name}/${run_id}"},
+        "outputs": {"directory": directory},
     }
 
 
@@ -105,11 +125,17 @@ def write_document(path: Path, document: dict[str, Any]) -> None:
     temporary.replace(path)
 
 
-def digest_bootstrap(path: Path) -> list[str]:
-    """Replace every ``sha256:unset`` digest reachable from `path` by the file's digest; returns what changed.
+def digest_bootstrap(path: Path, output: Path | None = None, replace_existing: bool = False) -> list[str]:
+    """Replace every ``sha256:unset`` digest reachable from `path` by the file's digest (every digest with
+    `replace_existing`); returns what changed. The result goes to `output` (default: `path` itself).
 
-    Digests are written into `path` itself: when they came from an x_base_manifest, the filled list (or
-    dataset entry) is written into the leaf as an override, so the base stays untouched."""
+    Digests are written into the leaf manifest: when they came from an x_base_manifest, the filled list (or
+    dataset entry) is written into the leaf as an override, so the base stays untouched. `output` must be
+    next to `path`, since relative paths in a manifest are relative to its own directory."""
+    target = path if output is None else output
+    if target.resolve().parent != path.resolve().parent:
+        raise WorkflowError(f"--output {output}: must be in the directory of --config ({path.parent}), "
+                            "where the manifest's relative paths point; or use --in-place")
     manifest = load_manifest(path)
     if manifest.origin_kind == SEED_MANIFEST_KIND:
         raise WorkflowError(
@@ -122,21 +148,25 @@ def digest_bootstrap(path: Path) -> list[str]:
     files = [dict(entry) for entry in data["model"]["files"]]
     location = artifacts.locate_model(data["model"]["source"], manifest.base_dir)
     for index, entry in enumerate(files):
-        if entry["digest"] == UNSET_DIGEST and location.root is not None:
-            entry["digest"] = artifacts.hash_file(location.root / entry["path"], entry["path"])
-            changed.append(f"$.model.files[{index}].digest = {entry['digest']}")
+        if (replace_existing or entry["digest"] == UNSET_DIGEST) and location.root is not None:
+            digest = artifacts.hash_file(location.root / entry["path"], entry["path"])
+            if digest != entry["digest"]:
+                entry["digest"] = digest
+                changed.append(f"$.model.files[{index}].digest = {digest}")
     dataset = dict(data["inference"]["dataset"])
-    if dataset["digest"] == UNSET_DIGEST:
-        dataset["digest"] = load_dataset(dataset["source"], manifest.base_dir).digest
-        changed.append(f"$.inference.dataset.digest = {dataset['digest']}")
-    if changed:
+    if replace_existing or dataset["digest"] == UNSET_DIGEST:
+        digest = load_dataset(dataset["source"], manifest.base_dir).digest
+        if digest != dataset["digest"]:
+            dataset["digest"] = digest
+            changed.append(f"$.inference.dataset.digest = {digest}")
+    if changed or target != path:
         document = read_document(path)
         if files != data["model"]["files"]:
             document.setdefault("model", {})["files"] = files
         if dataset != data["inference"]["dataset"]:
             document.setdefault("inference", {})["dataset"] = dataset
-        write_document(path, document)
-        load_manifest(path)  # the result must still validate
+        write_document(target, document)
+        load_manifest(target)  # the result must still validate
     return changed
 
 

@@ -3,7 +3,8 @@
 The manifest and its lock go through the same checks as ``detinf run`` (lock integrity and ownership,
 hardware constraints, dataset and model-file digests, closure), then the serve command's engine options
 are set from the manifest. Numerics the serve options cannot express (tile and KV-block sizes other than
-the engine defaults) are refused rather than served differently.
+the engine defaults) are refused rather than served differently. Without --host / --port the server
+listens where ``runtime.execution.base_url`` points (the address `detinf run --config` sends to).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Any
+from urllib.parse import urlsplit
 
 from deterministic_inference.config import EngineConfig
 from deterministic_inference.errors import WorkflowError
@@ -61,4 +63,25 @@ def apply_manifest(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
     }
     for name, value in settings.items():
         setattr(args, name, value)
+    source = data["model"]["source"]
+    if args.served_model_name is None:  # the name `detinf run` asks for (else it takes the served one)
+        args.served_model_name = data["runtime"]["execution"]["model"] or source.get("repo")
+    _listen_from_base_url(args, data["runtime"]["execution"]["base_url"])
     return str(data["runtime"]["network_policy"]), dict(data["runtime"]["env"])
+
+
+def _listen_from_base_url(args: argparse.Namespace, base_url: str | None) -> None:
+    """--host / --port not given: listen where the manifest's runtime.execution.base_url points, so
+    `detinf run --config` (which sends its requests there) reaches this server."""
+    if not base_url:
+        return
+    parts = urlsplit(base_url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise WorkflowError(f"$.runtime.execution.base_url: {base_url!r} has a bad port; "
+                            "write a URL like http://127.0.0.1:8000") from None
+    if args.host is None and parts.hostname:
+        args.host = parts.hostname
+    if args.port is None and port is not None:
+        args.port = port

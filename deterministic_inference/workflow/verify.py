@@ -2,7 +2,11 @@
 
 Grades, checked in this order (the first that applies wins):
 
-1. ``non_conformant_hardware``: the hardware digests of the fingerprints differ.
+1. ``non_conformant_hardware``: the hardware digests of the fingerprints differ and a run used a
+   non-portable path (its numerics are not ``portable``, or the two runs' numerics differ). When both
+   runs computed in portable numerics (every rounding operation in kernels whose bits are fixed by their
+   source) with equal numerics, other hardware cannot change a bit: the check passes, and the report
+   says so in ``reasons`` and ``hardware.portable_numerics``.
 2. ``non_conformant_software``: the software closure digest, the model digest or the engine numerics
    differ.
 3. ``mismatch_outputs``: tokens, text or finish reasons differ, or logits / activations / engine trace
@@ -19,6 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from deterministic_inference import fingerprint
 from deterministic_inference.workflow import compare
 from deterministic_inference.workflow.closure import closure_differences
 from deterministic_inference.workflow.rundir import RunDir, json_bytes, open_run
@@ -40,9 +45,18 @@ def verify_runs(a: RunDir, b: RunDir) -> dict[str, Any]:
     software = _software_check(a, b)
     outputs = _output_checks(a, b)
     reasons: list[str] = []
-    if not hardware["equal"]:
+    noted = hardware["differences"] + hardware["informational_differences"]
+    if noted and hardware["portable_numerics"]:
+        reasons.append(
+            "hardware or ISA selection differs (" + "; ".join(noted[:3]) + ") but both runs computed in "
+            "portable numerics with equal numerics: their bits do not depend on the CPU"
+        )
+    if not hardware["equal"] and not hardware["portable_numerics"]:
         grade = "non_conformant_hardware"
-        reasons.append("hardware fingerprints differ: " + "; ".join(hardware["differences"][:3]))
+        reasons.append(
+            "hardware fingerprints differ and a non-portable path was used: "
+            + "; ".join(hardware["differences"][:3])
+        )
     elif not software["equal"]:
         grade = "non_conformant_software"
         reasons.append("software differs: " + "; ".join(software["differences"][:3]))
@@ -78,7 +92,17 @@ def _hardware_check(a: RunDir, b: RunDir) -> dict[str, Any]:
         if isinstance(hw_a, dict) and isinstance(hw_b, dict):
             differences = closure_differences(hw_a, hw_b)
         differences = differences or [f"hardware digest {digest_a} vs {digest_b}"]
-    return {"equal": digest_a == digest_b, "a": digest_a, "b": digest_b, "differences": differences}
+    fp_a, fp_b = a.bundle["fingerprint"], b.bundle["fingerprint"]
+    portable = fingerprint.is_portable(fp_a) and fingerprint.is_portable(fp_b)
+    informational = closure_differences(
+        {"isa_selection": fp_a.get("informational", {}).get("isa_selection")},
+        {"isa_selection": fp_b.get("informational", {}).get("isa_selection")},
+    )  # the hardware class is in `differences` already
+    return {
+        "equal": digest_a == digest_b, "a": digest_a, "b": digest_b, "differences": differences,
+        "informational_differences": informational,
+        "portable_numerics": portable and fp_a.get("numerics") == fp_b.get("numerics"),
+    }  # fmt: skip
 
 
 def _software_check(a: RunDir, b: RunDir) -> dict[str, Any]:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
 from deterministic_inference.audit.client import Sample, completion_sample
 from deterministic_inference.audit.modes import MODES
 from deterministic_inference.cli.main import main
-from tests.server.harness import RunningServer
+from deterministic_inference.server.app import ServerSettings
+from tests.server.harness import TINY_NAME, RunningServer, thread_server, tiny_config
+from tests.tiny_models import TinyModel
 
 SMALL = ["--n-trials", "2", "--concurrency", "6", "--requests", "12", "--max-tokens", "4", "--seeds", "3"]
 
@@ -93,3 +96,27 @@ def test_samples_compare_logprob_bits() -> None:
     next_float = float.fromhex("-0x1.0000000000001p-1")
     assert same.digest != completion_sample(response(next_float), echoed=False).digest
     assert Sample("a", "stop").digest != Sample("a", "length").digest
+
+
+def test_p_vs_d_negative_control_plain_ops(plain_server: RunningServer, tmp_path: Path) -> None:
+    """Plain ops: a decoded token's logprob differs from the same token's prompt logprob somewhere."""
+    code, report = audit(plain_server, "p_vs_d", tmp_path, "--max-tokens", "16")
+    assert code == 1
+    assert any(case["unique_samples"] > 1 for case in report["cases"])  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("removed", "resets"),
+    [(("/flush_cache",), True), (("/flush_cache", "/reset_prefix_cache"), False)],
+)
+def test_audit_resets_the_cache_through_whichever_endpoint_exists(
+    tiny_llama_dir: TinyModel, tmp_path: Path, removed: tuple[str, ...], resets: bool
+) -> None:
+    """A vLLM-like server (only /reset_prefix_cache) is reset through it; with neither, the audit says so."""
+    with thread_server(tiny_config(tiny_llama_dir), ServerSettings(served_model_name=TINY_NAME),
+                       without_paths=removed) as server:
+        assert httpx.post(server.base_url + "/flush_cache").status_code == 404
+        code, report = audit(server, "radix", tmp_path)
+    assert code == 0
+    notes = [note for case in report["cases"] for note in case["notes"]]  # type: ignore[attr-defined]
+    assert any("has no /flush_cache or /reset_prefix_cache" in note for note in notes) is not resets

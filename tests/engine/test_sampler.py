@@ -11,6 +11,7 @@ import torch
 
 from deterministic_inference.engine import sampler
 from deterministic_inference.engine.sampling_params import SamplingParams
+from deterministic_inference.ops.portable import cumsum_rows, log_softmax_rows, softmax_rows
 
 
 def bits(values: list[float]) -> list[int]:
@@ -231,7 +232,7 @@ def test_top_p_without_a_full_sort_equals_the_sorted_prefix(top_p: float) -> Non
         row = (torch.randn(49152, generator=generator) * scale).round(decimals=2)  # ties included
         ids, values = sampler._filter(row, SamplingParams(top_p=top_p))
         order = torch.sort(row, descending=True, stable=True).indices
-        cumulative = torch.cumsum(torch.softmax(row, dim=0)[order], dim=0)
+        cumulative = cumsum_rows(softmax_rows(row)[order])
         keep = torch.ones_like(cumulative, dtype=torch.bool)
         keep[1:] = cumulative[:-1] < top_p
         assert ids.tolist() == order[keep].tolist()
@@ -271,7 +272,7 @@ def test_logprobs_are_raw_and_match_prompt_logprobs_bitwise() -> None:
     result = sampler.sample(logits, params, [1, 2, 3, 4], [0, 1, 2, 3], [[0, 1]] * 4, [[1]] * 4)
     values, tops = sampler.prompt_logprobs(logits, result.token_ids, 5)
     assert bits(values) == bits(result.logprobs)
-    raw = torch.log_softmax(logits, dim=1)
+    raw = log_softmax_rows(logits)
     assert result.logprobs == [raw[i, t].item() for i, t in enumerate(result.token_ids)]
     assert [len(t) for t in result.top_logprobs] == [5, 0, 20, 0]
     assert result.top_logprobs[0] == tops[0]

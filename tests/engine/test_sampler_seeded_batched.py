@@ -16,6 +16,7 @@ import torch
 
 from deterministic_inference.engine import sampler, seeded_batch
 from deterministic_inference.engine.sampling_params import SamplingParams
+from deterministic_inference.ops.portable import cumsum_rows, softmax_rows
 from deterministic_inference.ops.selfcheck import torch_threads
 
 THREADS = [1, 2]
@@ -70,20 +71,20 @@ def reference(logits: torch.Tensor, params: list[SamplingParams]) -> list:
 @pytest.mark.parametrize("threads", THREADS)
 @pytest.mark.parametrize("vocab", [49152, 1000, 50])
 def test_batched_softmax_and_scaling_rows_are_the_per_row_bits(vocab: int, threads: int) -> None:
-    """softmax(block / T, dim=1) rows equal torch.softmax(row / T, dim=0) for every batch size 1..64 (each
+    """softmax_rows(block / T) rows equal softmax_rows(row / T) for every batch size 1..64 (each
     at another start), and a batched softmax over [P, 50] sorted values too (the top-k path)."""
     logits = make_logits(64, vocab, seed=vocab)
     with torch_threads(1):
         scaled = [row / 0.8 for row in logits]
-        reference_probs = [int_bits(torch.softmax(row, dim=0)) for row in scaled]
-        short = [int_bits(torch.softmax(row[:50].clone(), dim=0)) for row in scaled]
+        reference_probs = [int_bits(softmax_rows(row)) for row in scaled]
+        short = [int_bits(softmax_rows(row[:50].clone())) for row in scaled]
     mismatches = []
     with torch_threads(threads):
         for rows in range(1, 65):
             start = (rows * 37) % (65 - rows)
             block = logits[start : start + rows] / 0.8  # [rows, vocab]
-            probs = torch.softmax(block, dim=1)
-            head = torch.softmax(block[:, :50].contiguous(), dim=1)
+            probs = softmax_rows(block)
+            head = softmax_rows(block[:, :50].contiguous())
             for i in range(rows):
                 if not torch.equal(int_bits(block[i]), int_bits(scaled[start + i])):
                     mismatches.append(("scaled", rows, start + i))
@@ -178,7 +179,7 @@ def test_rows_with_nan_or_inf_fall_back_and_keep_the_per_row_bits() -> None:
 
 def test_negative_control_a_changed_seed_position_or_sum_is_seen() -> None:
     """The same comparison detects a one-row change of position or seed; and cumulative sums with a
-    float32 accumulator (another rounding than torch.cumsum's) differ in some bits from the sums the cut
+    float32 accumulator (another rounding than cumsum_rows') differ in some bits from the sums the cut
     uses, while `_top_p_counts` gives every row the per-row survivor count."""
     logits = make_logits(16, 1000, seed=13)
     params = [SamplingParams(temperature=1.3, top_p=0.9, logprobs=5)] * 16
@@ -192,11 +193,11 @@ def test_negative_control_a_changed_seed_position_or_sum_is_seen() -> None:
     other_seed = sampler.sample(logits, params, seeds, [3 + r for r in range(16)], [[1]] * 16, [[]] * 16)
     assert result_rows(other_seed) != expected
     scaled = logits / 1.3
-    probs = torch.softmax(scaled, dim=1)  # [16, 1000]
+    probs = softmax_rows(scaled)  # [16, 1000]
     ids, counts = seeded_batch._upper_sets(scaled, 1000)
     chosen = probs.gather(1, ids)  # [16, 1000], sorted by (-value, id)
     float32_sums = torch.stack([sum(chosen[:, : i + 1].unbind(1)) for i in (99, 499, 999)], dim=1)
-    cumsum = torch.cumsum(chosen, dim=1)[:, [99, 499, 999]]
+    cumsum = cumsum_rows(chosen)[:, [99, 499, 999]]
     assert not torch.equal(int_bits(float32_sums), int_bits(cumsum))
     kept, decided = seeded_batch._top_p_counts(chosen, counts, 0.9, 1000)
     assert bool(decided.all())

@@ -19,6 +19,7 @@ from deterministic_inference.engine.setup import build_model
 from deterministic_inference.errors import ModelLoadError
 from deterministic_inference.model.gguf_loader import unpermute_qk
 from deterministic_inference.model.loader import load_model
+from deterministic_inference.model.moe import GatedMLP
 from deterministic_inference.model.quantization import apply_quantization
 from deterministic_inference.ops.quant import QuantizedWeight
 from deterministic_inference.ops.weights import RowOrdered, dense, stored_format
@@ -151,8 +152,10 @@ def test_quantized_weights_never_exist_as_float_copies(tiny_llama_dir: TinyModel
     loaded = load_model(str(path))
     model = build_model(loaded, EngineConfig(selfcheck=False), "bfloat16", 512)
     for layer in model.layers:  # touch every weight page through the kernels
-        layer.gate_up(torch.zeros(1, shape.hidden, dtype=torch.bfloat16))
-        layer.down(torch.zeros(1, shape.inter, dtype=torch.bfloat16))
+        mlp = layer.mlp
+        assert isinstance(mlp, GatedMLP)
+        mlp.gate_up(torch.zeros(1, shape.hidden, dtype=torch.bfloat16))
+        mlp.down(torch.zeros(1, shape.inter, dtype=torch.bfloat16))
     grown = _resident() - before
     assert grown < size + (40 << 20), (grown, size)
 

@@ -83,8 +83,10 @@ def test_native_linear_with_bias_computes_x_wt_plus_b(kernels: NativeKernels) ->
     assert row_mismatches(row_bias, _rows(64, torch.bfloat16), threads=2) == []
 
 
-def test_fp32_weights_and_plain_mode_do_not_use_the_native_gemm(kernels: NativeKernels) -> None:
-    assert _linear("qkv", torch.float32, invariant=True, kernels=kernels).backend == "mkldnn"
+def test_fp32_weights_use_the_portable_gemm_and_plain_mode_aten(kernels: NativeKernels) -> None:
+    fp32 = _linear("qkv", torch.float32, invariant=True, kernels=kernels)
+    assert fp32.backend == "native_f32"
+    assert row_mismatches(fp32, _rows(fp32.in_features, torch.float32), threads=2) == []
     plain = _linear("qkv", torch.bfloat16, invariant=False, kernels=kernels)
     assert plain.backend == "aten" and not plain.batch_invariant
 

@@ -74,10 +74,12 @@ def thread_server(
     config: EngineConfig,
     settings: ServerSettings | None = None,
     engine_factory: Callable[[], Engine] | None = None,
+    without_paths: Sequence[str] = (),
 ) -> Iterator[RunningServer]:
     """uvicorn + app in a background thread on a free loopback port (`engine_factory`: e.g. an engine
-    with injected faults)."""
+    with injected faults; `without_paths`: endpoints removed, to stand for servers that lack them)."""
     app = create_app(config, settings, engine_factory=engine_factory)
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in without_paths]
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

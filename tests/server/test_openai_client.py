@@ -202,24 +202,6 @@ def test_generate_endpoint_matches_completions(tiny_server: RunningServer) -> No
     assert json.loads(streamed[-2])["output_ids"] == native["output_ids"]
 
 
-def test_metrics_exposition(tiny_server: RunningServer) -> None:
-    text = httpx.get(tiny_server.base_url + "/metrics").text
-    for name in (
-        "detinf_requests_total",
-        "detinf_time_to_first_token_seconds_bucket",
-        "detinf_request_latency_seconds_count",
-        "detinf_num_requests_waiting",
-        "detinf_num_requests_running",
-        "detinf_kv_blocks_used",
-        "detinf_prefix_cache_hit_tokens_total",
-        "detinf_prompt_tokens_total",
-        "detinf_generation_tokens_total",
-    ):
-        assert f"\n{name}" in text, name
-    flushed = httpx.post(tiny_server.base_url + "/flush_cache").json()
-    assert flushed["flushed_blocks"] >= 0
-
-
 def test_stop_string_stream_equals_non_stream(tiny_server: RunningServer) -> None:
     """Text held back while a stop string may be forming never leaks into the stream."""
     api = client(tiny_server)

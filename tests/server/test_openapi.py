@@ -29,6 +29,8 @@ def test_every_endpoint_documents_its_request_and_responses(tiny_server: Running
         "/generate",
         "/v1/models",
         "/flush_cache",
+        "/update_weights",
+        "/reset_prefix_cache",
         "/healthz",
         "/metrics",
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 
 from tests.tiny_models import TinyModel
 from tests.workflow.helpers import detinf, edit_manifest
+from tests.workflow.hf_cache_builder import REPO, add_snapshot
 
 
 @pytest.fixture()
@@ -30,3 +32,15 @@ def tiny_manifest(tiny_model_copy: Path, tmp_path: Path) -> Path:
     locked = detinf("lock", "--config", path)
     assert locked.code == 0, locked.err
     return path
+
+
+@pytest.fixture()
+def hf_env(
+    tiny_llama_dir: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[str, dict[str, str]]:
+    """A private HF cache holding the tiny model as REPO (commit, environment pointing at the cache)."""
+    cache = tmp_path / "hf-cache"
+    commit = add_snapshot(cache, REPO, tiny_llama_dir.path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    return commit, env

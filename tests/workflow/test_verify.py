@@ -77,13 +77,29 @@ def test_identical_runs_are_conformant(reference: Path, tmp_path: Path) -> None:
     assert report["outputs"]["tokens"]["equal"] and report["outputs"]["engine_trace"]["equal"]
 
 
-def test_other_hardware_is_graded_first(reference: Path, tmp_path: Path) -> None:
-    def both(record: dict[str, Any]) -> None:
+def non_portable(record: dict[str, Any]) -> None:
+    record["fingerprint"]["numerics"] = dict(record["fingerprint"]["numerics"], portable=False)
+
+
+def test_other_hardware_with_portable_numerics_is_conformant(reference: Path, tmp_path: Path) -> None:
+    """Another CPU (model and ISA flags) recorded by a run in portable numerics: same bits, conformant,
+    and the report says why."""
+    assert read_json(reference / "bundle.json")["fingerprint"]["numerics"]["portable"] is True
+    report = verify_paths(reference, rewrite(reference, tmp_path / "hw", bundle=other_hardware))
+    assert report["grade"] == "conformant"
+    assert "portable numerics" in report["reasons"][0] and "isa.avx512f" in report["reasons"][0]
+    assert report["hardware"]["portable_numerics"] and not report["hardware"]["equal"]
+
+
+def test_other_hardware_with_a_non_portable_path_is_graded_first(reference: Path, tmp_path: Path) -> None:
+    def all_three(record: dict[str, Any]) -> None:
         other_hardware(record)
         other_software(record)
+        non_portable(record)
 
-    report = verify_paths(reference, rewrite(reference, tmp_path / "hw", bundle=both))
+    report = verify_paths(reference, rewrite(reference, tmp_path / "hw", bundle=all_three))
     assert report["grade"] == "non_conformant_hardware"
+    assert "non-portable" in report["reasons"][0]
     assert "isa.avx512f" in report["reasons"][0] and "model_name" in report["reasons"][0]
     assert report["outputs"]["tokens"]["equal"]  # outputs are still compared and reported
 
@@ -100,18 +116,41 @@ def test_other_software_is_graded_before_outputs(reference: Path, tmp_path: Path
     assert not report["outputs"]["tokens"]["equal"]
 
 
-def test_real_closure_change_is_non_conformant_software(reference: Path, tmp_path: Path) -> None:
-    """A second run in a process whose ATen kernels are limited to AVX2: a different software closure."""
-    manifest = reference.parent / "tiny.json"
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+def _run_in_process(manifest: Path, output: Path, **env: str) -> str:
+    """`detinf run` in a fresh process with extra environment variables; returns its stderr."""
     command = [sys.executable, "-m", "deterministic_inference", "run", "--config", str(manifest),
-               "--output-dir", str(tmp_path / "avx2")]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+               "--output-dir", str(output)]
+    done = subprocess.run(command, env=dict(os.environ, **env), capture_output=True, text=True, timeout=600,
+                          check=False)
     assert done.returncode == 0, done.stderr
-    assert "runtime closure differs from the lock" in done.stderr
-    report = verify_paths(reference, tmp_path / "avx2")
-    assert report["grade"] == "non_conformant_software"
-    assert any("ATEN_CPU_CAPABILITY" in line for line in report["software"]["closure_differences"])
+    return done.stderr
+
+
+def test_other_isa_dispatch_and_kernel_build_are_conformant(reference: Path, tmp_path: Path) -> None:
+    """One machine standing in for another: torch's kernels limited to AVX2 and our kernels built for
+    x86-64-v3 (what an AVX2-only CPU runs), rewritten as another CPU's record: conformant, the same
+    tokens and logits bits, the ISA differences reported as informational."""
+    stderr = _run_in_process(reference.parent / "tiny.json", tmp_path / "avx2", ATEN_CPU_CAPABILITY="avx2",
+                             DETINF_KERNEL_MARCH="x86-64-v3")
+    assert "runtime closure differs from the lock" not in stderr  # the ISA is not part of the closure
+    other = rewrite(tmp_path / "avx2", tmp_path / "other-cpu", bundle=other_hardware)
+    report = verify_paths(reference, other)
+    assert report["grade"] == "conformant", report["reasons"]
+    noted = report["hardware"]["informational_differences"]
+    assert any("ATEN_CPU_CAPABILITY" in line for line in noted)
+    assert any("kernel_march" in line for line in noted)
+    assert report["outputs"]["logits"]["compared"] > 0 and report["outputs"]["logits"]["equal"]
+
+
+def test_non_portable_path_on_other_hardware_is_non_conformant_hardware(
+    reference: Path, tmp_path: Path
+) -> None:
+    """A run with torch's log_softmax on the path (not portable), recorded as another CPU's."""
+    _run_in_process(reference.parent / "tiny.json", tmp_path / "torch", DETINF_TEST_TORCH_LOG_SOFTMAX="1")
+    assert read_json(tmp_path / "torch" / "bundle.json")["fingerprint"]["numerics"]["portable"] is False
+    other = rewrite(tmp_path / "torch", tmp_path / "other-cpu", bundle=other_hardware)
+    report = verify_paths(reference, other)
+    assert report["grade"] == "non_conformant_hardware"
 
 
 def _one_ulp_up(value: float) -> float:

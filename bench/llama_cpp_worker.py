@@ -1,0 +1,122 @@
+"""llama.cpp (llama-cpp-python) as a child process of a benchmark: JSON requests in, JSON answers out.
+
+The benchmarks run our engine in `.venv` and llama.cpp in the bench venv (`/work/bench-venv`, from
+bench/requirements-bench.txt; never a product or test dependency), alternating runs so both see the
+same machine load. This file imports only llama_cpp, numpy and the standard library, so it runs under
+the bench venv's Python without our package. `LlamaCppWorker` is the parent's handle.
+
+Requests (one JSON object per line on stdin; one answer per line on stdout):
+  {"op": "load", "model": PATH, "threads": N, "n_ctx": N, "logits_all": bool}
+  {"op": "generate", "prompt": STR, "max_tokens": N}  -> generated tokens and seconds (eos banned)
+  {"op": "perplexity", "ids": [...]}                   -> exp(-mean log p) of ids[1:], seconds
+  {"op": "tokenize", "text": STR}                      -> ids (no BOS, no special-token parsing)
+  {"op": "rss"}                                        -> this process's peak and current RSS (bytes)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PYTHON = Path("/work/bench-venv/bin/python")
+
+
+class LlamaCppWorker:
+    """Parent side: starts the worker under `python` and sends it requests."""
+
+    def __init__(self, python: Path | str = DEFAULT_PYTHON) -> None:
+        self.process = subprocess.Popen(
+            [str(python), str(Path(__file__).resolve())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def request(self, **message: Any) -> dict[str, Any]:
+        """Send one request and wait for its answer; raises RuntimeError with the worker's error."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(json.dumps(message) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"llama.cpp worker exited (code {self.process.wait()})")
+        answer: dict[str, Any] = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"llama.cpp worker: {answer['error']}")
+        return answer
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def _rss() -> dict[str, int]:
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return {"peak": int(fields["VmHWM"].split()[0]) * 1024, "now": int(fields["VmRSS"].split()[0]) * 1024}
+
+
+def _perplexity(llm: Any, ids: list[int]) -> float:
+    import numpy as np
+
+    llm.reset()
+    llm.eval(ids)
+    logits = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)  # [n-1, vocab]
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_norm = np.log(np.exp(shifted).sum(axis=1))
+    picked = shifted[np.arange(len(ids) - 1), ids[1:]] - log_norm  # [n-1]
+    return math.exp(-float(picked.mean()))
+
+
+def _handle(state: dict[str, Any], message: dict[str, Any]) -> dict[str, Any]:
+    op = message["op"]
+    if op == "load":
+        import llama_cpp
+
+        start = time.perf_counter()
+        state["llm"] = llama_cpp.Llama(
+            model_path=message["model"], n_threads=message["threads"], n_threads_batch=message["threads"],
+            n_ctx=message.get("n_ctx", 1024), n_batch=512, logits_all=message.get("logits_all", False),
+            verbose=False,
+        )  # fmt: skip
+        eos = state["llm"].token_eos()
+        state["bias"] = {eos: -1e9} if eos >= 0 else None
+        info = llama_cpp.llama_print_system_info().decode()
+        return {"seconds": time.perf_counter() - start, "system_info": info, "version": llama_cpp.__version__}
+    llm = state["llm"]
+    if op == "generate":
+        start = time.perf_counter()
+        result = llm(
+            message["prompt"], max_tokens=message["max_tokens"], temperature=0.0, logit_bias=state["bias"]
+        )
+        seconds = time.perf_counter() - start
+        return {"tokens": int(result["usage"]["completion_tokens"]), "seconds": seconds}
+    if op == "perplexity":
+        start = time.perf_counter()
+        return {"perplexity": _perplexity(llm, message["ids"]), "seconds": time.perf_counter() - start}
+    if op == "tokenize":
+        return {"ids": llm.tokenize(message["text"].encode(), add_bos=False, special=False)}
+    if op == "rss":
+        return _rss()
+    raise ValueError(f"unknown op {op!r}")
+
+
+def serve() -> None:
+    """Answer requests from stdin until it closes."""
+    state: dict[str, Any] = {}
+    for line in sys.stdin:
+        try:
+            answer = _handle(state, json.loads(line))
+        except Exception as exc:  # reported to the parent, which raises
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,0 +1,127 @@
+/* The sampler's floating-point arithmetic for deterministic-inference: log_softmax (the raw logprobs),
+   softmax (top-p / min-p probabilities) and cumulative sums (the top-p cut), over rows of fp32 values.
+
+   Every row is computed alone, whole, by one thread, in an order fixed by this source: the maximum by
+   a sequential scan; the sum of exp(x - max) with element i added to lane i % 16 in ascending order,
+   then the lanes by a fixed tree (lane_tree); exp by pm_expf and the log of the sum by pm_log
+   (portable_math.h). So a row's bits depend on that row alone: not on the other rows, their number,
+   the thread count, the CPU's ISA or the build's -march (torch's own softmax kernels dispatch on the
+   CPU: AVX-512, AVX2 and scalar builds give different bits). Rows holding a NaN come out all NaN. */
+
+#include "portable_math.h"
+
+/* The row's maximum (-inf for an empty or all -inf row), element i compared into lane i % 16 in
+   ascending order, then the lanes in order (explicit lanes vectorise; the maximum is the same value in
+   any order, and this order also fixes which zero wins among -0.0 and +0.0); *has_nan set when a NaN
+   is in the row. */
+INLINE float row_max(const float *x, int64_t n, int *has_nan) {
+    float lanes[LANES];
+    int nan[LANES] = {0};
+    for (int l = 0; l < LANES; l++) lanes[l] = -INFINITY;
+    int64_t base = 0;
+    for (; base + LANES <= n; base += LANES) {
+        for (int l = 0; l < LANES; l++) {
+            const float value = x[base + l];
+            lanes[l] = value > lanes[l] ? value : lanes[l];
+            nan[l] |= value != value;
+        }
+    }
+    for (int l = 0; base + l < n; l++) {
+        const float value = x[base + l];
+        lanes[l] = value > lanes[l] ? value : lanes[l];
+        nan[l] |= value != value;
+    }
+    float best = lanes[0];
+    int any_nan = nan[0];
+    for (int l = 1; l < LANES; l++) {
+        best = lanes[l] > best ? lanes[l] : best;
+        any_nan |= nan[l];
+    }
+    *has_nan = any_nan;
+    return best;
+}
+
+/* exp(x[i] - max) for the 16 elements of one block, into terms[]: a fixed-width block the compiler maps
+   onto vector registers (16 lanes, or 2 x 8, 4 x 4: the same per-element operations). */
+INLINE void block_terms(const float *x, float max, float *terms) {
+    for (int l = 0; l < LANES; l++) terms[l] = pm_expf(x[l] - max);
+}
+
+/* sum over i of exp(x[i] - max): element i added to lane i % 16 in ascending order, then lane_tree;
+   with `out` (store = 1), the terms are stored there too. */
+INLINE float exp_sum(const float *x, int64_t n, float max, float *out, int store) {
+    float lanes[LANES] = {0}, terms[LANES];
+    int64_t base = 0;
+    for (; base + LANES <= n; base += LANES) {
+        block_terms(x + base, max, terms);
+        for (int l = 0; l < LANES; l++) lanes[l] = lanes[l] + terms[l];
+        if (store) memcpy(out + base, terms, sizeof terms);
+    }
+    for (int l = 0; base + l < n; l++) {
+        const float term = pm_expf(x[base + l] - max);
+        if (store) out[base + l] = term;
+        lanes[l] = lanes[l] + term;
+    }
+    return lane_tree(lanes);
+}
+
+static void fill_nan(float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = NAN;
+}
+
+/* out[i] = (x[i] - max) - log(sum_j exp(x[j] - max)), the log rounded once from double to float. */
+static void log_softmax_row(const float *x, int64_t n, float *out) {
+    int has_nan;
+    const float max = row_max(x, n, &has_nan);
+    if (has_nan) {
+        fill_nan(out, n);
+        return;
+    }
+    const float log_sum = (float)pm_log((double)exp_sum(x, n, max, out, 1)); /* terms overwritten below */
+    for (int64_t i = 0; i < n; i++) out[i] = (x[i] - max) - log_sum;
+}
+
+/* out[i] = exp(x[i] - max) / sum_j exp(x[j] - max). */
+static void softmax_row(const float *x, int64_t n, float *out) {
+    int has_nan;
+    const float max = row_max(x, n, &has_nan);
+    if (has_nan) {
+        fill_nan(out, n);
+        return;
+    }
+    const float sum = exp_sum(x, n, max, out, 1);
+    for (int64_t i = 0; i < n; i++) out[i] = out[i] / sum;
+}
+
+/* out[i] = x[0] + ... + x[i], accumulated in double in ascending order, each prefix rounded to float. */
+static void cumsum_row(const float *x, int64_t n, float *out) {
+    double running = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        running = running + (double)x[i];
+        out[i] = (float)running;
+    }
+}
+
+/* x [rows, cols] fp32 contiguous -> out [rows, cols]; op 0 = log_softmax, 1 = softmax, 2 = cumsum.
+   Rows are shared out between torch's OpenMP threads, each row whole on one thread. */
+void detinf_rows(const float *x, float *out, int64_t rows, int64_t cols, int op) {
+#pragma omp parallel for schedule(static) if (rows * cols >= ((int64_t)1 << 16) && rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols;
+        float *dst = out + r * cols;
+        if (op == 0) log_softmax_row(row, cols, dst);
+        else if (op == 1) softmax_row(row, cols, dst);
+        else cumsum_row(row, cols, dst);
+    }
+}
+
+/* Test hooks: the portable functions one value at a time (tests compare them with float64 references
+   and across builds). */
+float detinf_test_expf(float x) { return pm_expf(x); }
+double detinf_test_exp(double x) { return pm_exp(x); }
+double detinf_test_log(double x) { return pm_log(x); }
+double detinf_test_sincos(double x, int want_cos) {
+    double s, c;
+    pm_sincos(x, &s, &c);
+    return want_cos ? c : s;
+}

@@ -1,0 +1,238 @@
+"""The decode fast path: every decoder layer of a step in ONE call into the compiled kernels (csrc/decoder.c).
+
+The per-op path calls ~10 kernels per layer from Python, each behind a wrapper that checks its tensors
+and allocates its output: at one token per step that Python work costs about as much as the arithmetic
+on a small model. `FusedDecoder` describes each layer once (weights, GEMM descriptors) as C structs,
+checks the step's inputs once, and lets C call the same kernel entry points with the same arguments in
+the same order. Why the bits are the per-op path's: no kernel is replaced and no arithmetic is added
+(the only conversion, the attention output's fp32 -> bf16, is torch's round-to-nearest-even); tests
+compare both paths bit for bit, with a negative control.
+
+It serves models whose every layer runs on the native backend with kernel-backed linears (quantized
+blocks, or bf16 weights on the bf16 GEMM) and no per-head q/k norm; `FusedDecoder.build` returns None
+otherwise and the per-op path runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from deterministic_inference.ops.attention import AttentionMetadata
+from deterministic_inference.ops.linear import Linear
+from deterministic_inference.ops.native import NativeKernels
+from deterministic_inference.ops.rope import RotaryTable
+
+if TYPE_CHECKING:
+    from deterministic_inference.model.llama import DecoderLayer
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+LINEAR_QUANT, LINEAR_BF16 = 1, 2  # csrc/decoder.c
+_ERRORS = {
+    1: (ValueError, "rotary_write_kv: a position, cache block or slot offset is out of range"),
+    2: (ValueError, "attention kernel: a row sees no key or its block table is out of range"),
+    3: (MemoryError, "attention kernel could not allocate its workspace"),
+    4: (MemoryError, "quantized GEMM could not allocate its work space"),
+    5: (ValueError, "fused decoder: a linear has no kernel for this dtype"),
+}
+
+
+class _Linear(ctypes.Structure):
+    """Mirror of csrc/decoder.c's detinf_linear."""
+
+    _fields_ = [
+        ("kind", _I64),
+        ("parts", _P),
+        ("nparts", _I64),
+        ("packed", _P),
+        ("bias", _P),
+        ("n", _I64),
+        ("k", _I64),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    """Mirror of detinf_layer."""
+
+    _fields_ = [
+        ("input_norm", _P), ("post_norm", _P), ("qkv", _Linear), ("o_proj", _Linear), ("gate_up", _Linear),
+        ("down", _Linear), ("k_cache", _P), ("v_cache", _P),
+    ]  # fmt: skip
+
+
+class _Step(ctypes.Structure):
+    """Mirror of detinf_step."""
+
+    _fields_ = [
+        *((name, _I64) for name in ("tokens", "hidden", "heads", "kv_heads", "head_dim", "inter")),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("model_bf16", _I64), ("flags", _I64),
+        ("positions", _P), ("cos", _P), ("sin", _P), ("table_rows", _I64),
+        *((name, _P) for name in ("write_blocks", "write_offsets", "block_ids", "row_table", "row_keys")),
+        ("num_ids", _I64), ("num_blocks", _I64), ("block_size", _I64),
+        *((name, _P) for name in ("normed", "qkv", "q32", "att32", "att", "delta", "gate_up", "act")),
+    ]  # fmt: skip
+
+
+def _linear_struct(linear: Linear, model_dtype: torch.dtype) -> _Linear | None:
+    """The C descriptor of a kernel-backed linear, or None when it runs on torch (fp32 oneDNN)."""
+    quant = linear.quant_linear
+    if quant is not None:
+        table = ctypes.addressof(quant.table)
+        return _Linear(
+            LINEAR_QUANT,
+            table,
+            len(quant.parts),
+            None,
+            quant.bias_pointer,
+            quant.out_features,
+            quant.in_features,
+        )
+    native = linear.native_weight
+    if native is None or model_dtype != torch.bfloat16:
+        return None
+    packed, bias = native
+    bias_pointer = None if bias is None else bias.data_ptr()
+    return _Linear(
+        LINEAR_BF16, None, 0, packed.data_ptr(), bias_pointer, linear.out_features, linear.in_features
+    )
+
+
+class FusedDecoder:
+    """The layers of one model as C structs, run in one call per step (see the module docstring)."""
+
+    def __init__(self, kernels: NativeKernels, layers: Sequence[DecoderLayer], structs: ctypes.Array[_Layer]):
+        self.layers = tuple(layers)  # keeps every weight the structs point to alive
+        self._structs = structs
+        self._run = _library(kernels).detinf_decoder_layers
+        spec, dtype = layers[0].spec, layers[0].ops.numerics.dtype
+        self.spec, self.dtype = spec, dtype
+
+    @classmethod
+    def build(cls, kernels: NativeKernels | None, layers: Sequence[DecoderLayer]) -> FusedDecoder | None:
+        """The fused decoder of `layers`, or None when any layer needs the per-op path."""
+        from deterministic_inference.model.moe import GatedMLP  # the model package builds on ops
+
+        if kernels is None or not layers or layers[0].spec.head_dim > 1024:
+            return None
+        structs = (_Layer * len(layers))()
+        for index, layer in enumerate(layers):
+            dtype, mlp = layer.ops.numerics.dtype, layer.mlp
+            if (
+                layer.ops.name != "native"
+                or layer.q_norm is not None
+                or not isinstance(mlp, GatedMLP)  # mixture-of-experts layers take the per-op path
+                or dtype not in (torch.float32, torch.bfloat16)
+            ):
+                return None
+            linears = [_linear_struct(lin, dtype) for lin in (layer.qkv, layer.o_proj, mlp.gate_up, mlp.down)]
+            if any(lin is None for lin in linears):
+                return None
+            structs[index] = _Layer(
+                layer.input_norm.data_ptr(), layer.post_attention_norm.data_ptr(), *linears
+            )
+        return cls(kernels, layers, structs)
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,  # [T, hidden] model dtype: the residual stream, updated in place
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_caches: Sequence[KVCache],
+        rotary: RotaryTable,
+        flags: int = 0,  # TEST_* of ops/quant.py for the quantized GEMMs: tests' negative controls only
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (residual stream, the last layer's MLP output still to be added): what the per-op loop
+        over `DecoderLayer.__call__` returns, bit for bit."""
+        spec, dtype = self.spec, self.dtype
+        tokens = hidden.shape[0]
+        if hidden.dtype != dtype or hidden.shape != (tokens, spec.hidden_size) or not hidden.is_contiguous():
+            raise ValueError(f"fused decoder: hidden must be contiguous {dtype} [T, {spec.hidden_size}]")
+        if (
+            tokens < 1
+            or positions.shape != (tokens,)
+            or meta.num_tokens != tokens
+            or len(kv_caches) != len(self.layers)
+        ):
+            raise ValueError(
+                "fused decoder: positions, metadata and caches must match the step's tokens and layers"
+            )
+        self._check_caches(kv_caches, meta)
+        if rotary.cos.dtype != torch.float32 or not (
+            rotary.cos.is_contiguous() and rotary.sin.is_contiguous()
+        ):
+            raise ValueError("fused decoder: the rotary tables must be contiguous fp32")
+        for index, (keys, values) in enumerate(kv_caches):
+            self._structs[index].k_cache, self._structs[index].v_cache = keys.data_ptr(), values.data_ptr()
+        step, buffers = self._step(tokens, positions, meta, rotary, kv_caches[0][0], flags)
+        pending = torch.empty_like(hidden)
+        status = self._run(
+            self._structs, len(self.layers), ctypes.byref(step), hidden.data_ptr(), pending.data_ptr(), 0
+        )
+        del buffers  # kept alive until the call returned
+        if status:
+            error, message = _ERRORS.get(status, (RuntimeError, f"fused decoder failed ({status})"))
+            raise error(message)
+        return hidden, pending
+
+    def _check_caches(self, kv_caches: Sequence[KVCache], meta: AttentionMetadata) -> None:
+        """The C code trusts its pointers: every layer's cache of the model dtype and the first's shape."""
+        first = kv_caches[0][0]
+        spec = self.spec
+        if first.shape[1:3] != (spec.num_kv_heads, spec.head_dim):
+            raise ValueError("fused decoder: the KV cache does not match the model's heads")
+        for keys, values in kv_caches:
+            if keys.shape != first.shape or keys.dtype != self.dtype or values.dtype != self.dtype:
+                raise ValueError(f"fused decoder: every layer's cache must be {self.dtype} of one shape")
+            if values.shape != (first.shape[0], first.shape[1], first.shape[3], first.shape[2]):
+                raise ValueError("fused decoder: the value cache does not match the key cache")
+            if not (keys.is_contiguous() and values.is_contiguous()):
+                raise ValueError("fused decoder: the caches must be contiguous")
+        if meta.max_block_id >= first.shape[0] or first.shape[3] != meta.block_size:
+            raise ValueError(
+                f"attention metadata (block size {meta.block_size}, block ids up to {meta.max_block_id}) "
+                f"does not fit a cache of {first.shape[0]} blocks of {first.shape[3]}"
+            )
+
+    def _step(
+        self,
+        tokens: int,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        rotary: RotaryTable,
+        keys: torch.Tensor,
+        flags: int,
+    ) -> tuple[_Step, list[torch.Tensor]]:
+        """The step struct and the tensors it points to (scratch buffers and int64 copies of the inputs)."""
+        spec, dtype = self.spec, self.dtype
+        heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        index = [t.to(torch.int64).contiguous() for t in (positions, meta.write_blocks, meta.write_offsets,
+                 meta.block_ids, meta.row_table, meta.row_keys)]  # fmt: skip
+        scratch = [
+            torch.empty((tokens, width), dtype=dtype)
+            for width in (spec.hidden_size, (heads + 2 * kv_heads) * dim, heads * dim, spec.hidden_size,
+                          2 * spec.intermediate_size, spec.intermediate_size)
+        ]  # fmt: skip
+        q32, att32 = (torch.empty((tokens, heads, dim), dtype=torch.float32) for _ in range(2))
+        normed, qkv, att, delta, gate_up, act = (t.data_ptr() for t in scratch)
+        step = _Step(
+            tokens, spec.hidden_size, heads, kv_heads, dim, spec.intermediate_size, spec.rms_norm_eps,
+            dim**-0.5, int(dtype == torch.bfloat16), flags, index[0].data_ptr(), rotary.cos.data_ptr(),
+            rotary.sin.data_ptr(), rotary.cos.shape[0], *(t.data_ptr() for t in index[1:]),
+            meta.block_ids.shape[0], keys.shape[0], keys.shape[3], normed, qkv, q32.data_ptr(),
+            att32.data_ptr(), att, delta, gate_up, act,
+        )  # fmt: skip
+        return step, [*index, *scratch, q32, att32]
+
+
+@functools.cache
+def _library(kernels: NativeKernels) -> ctypes.CDLL:
+    """The kernels' library with detinf_decoder_layers' signature declared (once per build)."""
+    library = kernels.library
+    library.detinf_decoder_layers.restype = ctypes.c_int
+    library.detinf_decoder_layers.argtypes = [_P, _I64, _P, _P, _P, ctypes.c_int]
+    return library

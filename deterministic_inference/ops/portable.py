@@ -1,0 +1,121 @@
+"""Portable numerics: the floating-point work that torch would dispatch on the CPU's ISA, in our kernels.
+
+torch picks AVX-512, AVX2 or scalar kernels at run time (`ATEN_CPU_CAPABILITY`), and those round
+differently for log_softmax, softmax, pow, cos, sin, reductions; oneDNN picks its GEMM by ISA too. So the
+invariant path computes every rounding operation in the compiled kernels (csrc/sampling.c,
+rotary_tables.c, gemm_f32.c over portable_math.h), whose bits are fixed by the source: the same on any
+x86-64 CPU and for any `DETINF_KERNEL_MARCH` build. torch still moves data (views, gathers, sorts,
+integer ops) and performs single IEEE operations (+, -, *, / of tensors and scalars, comparisons,
+max/argmax, casts), which round the same way in every one of its kernels.
+
+`log_softmax_rows` is THE function that turns logits into logprobs: the sampler, prompt scoring and the
+ops backend (for a trainer's forward pass) all call it, so their logprob bits are equal by construction.
+Its signature is stable. `DETINF_TEST_TORCH_LOG_SOFTMAX=1` (tests only) puts torch's log_softmax back in
+its place: the negative control of the cross-ISA tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from deterministic_inference.ops.native import NativeKernels, native_kernels
+
+# Test-only switch: torch.log_softmax (ISA-dispatched) instead of the kernel, to prove tests detect it.
+TORCH_LOG_SOFTMAX_ENV = "DETINF_TEST_TORCH_LOG_SOFTMAX"
+_LOG_SOFTMAX, _SOFTMAX, _CUMSUM = 0, 1, 2
+
+
+def _rows(x: torch.Tensor, op: int, kernels: NativeKernels | None) -> torch.Tensor:
+    """Apply row op `op` of sampling.c along the last dimension of `x` [..., V] -> fp32 [..., V]."""
+    if x.dim() == 0:
+        raise ValueError("row ops need at least one dimension")
+    rows = x.to(torch.float32).contiguous()
+    out = torch.empty_like(rows)
+    cols = rows.shape[-1] if rows.numel() else 0
+    if cols:
+        library = (kernels or native_kernels()).library
+        library.detinf_rows(rows.data_ptr(), out.data_ptr(), rows.numel() // cols, cols, op)
+    return out
+
+
+def log_softmax_rows(logits: torch.Tensor, kernels: NativeKernels | None = None) -> torch.Tensor:
+    """Raw logprobs: log_softmax over the last dimension of fp32 logits [..., V] -> fp32 [..., V].
+
+    Why invariant: each row is computed alone in a source-fixed order (csrc/sampling.c), so its bits
+    depend on that row only, not on the batch, the thread count, the CPU's ISA or the kernels' -march.
+    `kernels` defaults to this process's build."""
+    if os.environ.get(TORCH_LOG_SOFTMAX_ENV) == "1":
+        return torch.log_softmax(logits.to(torch.float32), dim=-1)
+    return _rows(logits, _LOG_SOFTMAX, kernels)
+
+
+def softmax_rows(values: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dimension [..., V] -> fp32 (row-alone, source-fixed order as above)."""
+    return _rows(values, _SOFTMAX, None)
+
+
+def cumsum_rows(values: torch.Tensor) -> torch.Tensor:
+    """Cumulative sums along the last dimension [..., V] -> fp32: double accumulation in ascending
+    order, each prefix rounded to fp32 (row-alone, so a prefix's sums never depend on what follows)."""
+    return _rows(values, _CUMSUM, None)
+
+
+def inverse_frequencies(kernels: NativeKernels, theta: float, head_dim: int) -> torch.Tensor:
+    """[head_dim // 2] fp32: 1 / theta^(2j / head_dim) in the kernels' portable pow (see rotary_tables.c)."""
+    out = torch.empty(head_dim // 2, dtype=torch.float32)
+    kernels.library.detinf_inverse_frequencies(float(theta), head_dim, out.data_ptr())
+    return out
+
+
+def rotary_tables(
+    kernels: NativeKernels, inv_freq: torch.Tensor, positions: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """inv_freq [D/2] fp32 -> (cos, sin) [positions, D] fp32 of the angles fp32(p) * inv_freq[j]."""
+    inv = inv_freq.to(torch.float32).contiguous()
+    dim = 2 * inv.shape[0]
+    cos = torch.empty((positions, dim), dtype=torch.float32)
+    sin = torch.empty((positions, dim), dtype=torch.float32)
+    library = kernels.library
+    status = library.detinf_rotary_tables(inv.data_ptr(), positions, dim, cos.data_ptr(), sin.data_ptr())
+    if status != 0:
+        raise ValueError(
+            f"rotary tables: angles of {positions} positions exceed the portable reduction's range (2^20)"
+        )
+    return cos, sin
+
+
+def pack_f32(kernels: NativeKernels, weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] fp32 -> the fp32 GEMM's packed layout [ceil(N/16) * K * 16] (zero padded)."""
+    if weight.dtype != torch.float32 or weight.dim() != 2:
+        raise ValueError("pack_f32: the weight must be an fp32 [out, in] matrix")
+    weight = weight.contiguous()
+    n, k = weight.shape
+    packed = torch.empty(-(-n // 16) * 16 * k, dtype=torch.float32)
+    kernels.library.detinf_pack_f32(weight.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def gemm_f32(
+    kernels: NativeKernels,
+    x: torch.Tensor,  # [M, K] fp32
+    packed: torch.Tensor,  # pack_f32 of an [N, K] weight
+    out_features: int,  # N
+    bias: torch.Tensor | None,  # [N] fp32
+) -> torch.Tensor:
+    """x W^T (+ b) -> [M, N] fp32. Why invariant: each output is a chain of fused multiply-adds over its
+    own row and column in ascending k (csrc/gemm_f32.c), whatever M, the thread count or the ISA."""
+    x = x.to(torch.float32).contiguous()
+    rows, k = x.shape if x.dim() == 2 else (0, -1)
+    if x.dim() != 2 or packed.numel() != -(-out_features // 16) * 16 * k:
+        raise ValueError("gemm_f32: x must be [M, K] and the packed weight must be [N, K] packed")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)):
+        raise ValueError("gemm_f32: the bias must be fp32 [N]")
+    out = torch.empty((rows, out_features), dtype=torch.float32)
+    if rows:
+        kernels.library.detinf_gemm_f32(
+            x.data_ptr(), rows, k, packed.data_ptr(), out_features,
+            None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+    return out

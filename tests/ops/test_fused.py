@@ -1,0 +1,111 @@
+"""The decode fast path (ops/fused.py, csrc/decoder.c) gives the per-op path's bits.
+
+Three steps of a mixed batch (two prefills, then a decode row beside a 4-token chunk, then a decode row
+alone) run through `DecoderModel.forward` with the fused path and with the per-op path, from the same
+empty caches: the final hidden states of every step and the whole KV caches afterwards must be equal bit
+for bit. Models: a tiny Q4_K_M-style mixed GGUF (bf16 and fp32), a tiny Qwen2 with q/k/v biases on the
+bf16 GEMM, and the embedded default model (Q4_1 layers). Negative control: the fused path with the
+quantized GEMM's activation scales taken over the whole batch (a test hook) must be detected. Models the
+fast path does not serve (Qwen3's q/k norms; fp32 dense weights on oneDNN) take the per-op path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deterministic_inference.config import EngineConfig
+from deterministic_inference.engine.setup import build_model
+from deterministic_inference.model.llama import DecoderModel
+from deterministic_inference.model.loader import load_model
+from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache
+from deterministic_inference.ops.quant import TEST_BATCH_SCALE
+from tests.tiny_models import TinyModel
+
+BLOCK = 16
+# per step: (start position, tokens, block table) of each sequence
+STEPS = (
+    [(0, 13, [0, 1]), (0, 5, [2, 3])],
+    [(13, 1, [0, 1]), (5, 4, [2, 3])],
+    [(14, 1, [0, 1])],
+)
+
+Run = tuple[list[torch.Tensor], list[torch.Tensor]]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32).clone()
+
+
+def run_steps(model: DecoderModel, fused: bool, flags: int = 0) -> Run:
+    """(final hidden bits of each step, bits of every cache tensor after the last step)."""
+    spec, dtype = model.spec, model.numerics.dtype
+    caches = [new_kv_cache(8, BLOCK, spec.num_kv_heads, spec.head_dim, dtype) for _ in range(spec.num_layers)]
+    generator = torch.Generator().manual_seed(0)
+    hidden_bits = []
+    for sequences in STEPS:
+        count = sum(tokens for _, tokens, _ in sequences)
+        ids = torch.randint(0, spec.vocab_size, (count,), generator=generator)
+        positions = torch.tensor([start + i for start, tokens, _ in sequences for i in range(tokens)])
+        meta = AttentionMetadata.build(sequences, BLOCK)
+        if flags:  # the forward's fused branch, with the GEMM's test hook
+            assert model.fused is not None
+            hidden, pending = model.fused(
+                model.embed(ids), positions, meta, caches, model.rotary, flags=flags
+            )
+            hidden, _ = model.ops.add_rms_norm(hidden, pending, model.final_norm, spec.rms_norm_eps)
+        else:
+            hidden = model.forward(ids, positions, meta, caches, fused=fused)
+        hidden_bits.append(bits(hidden))
+    return hidden_bits, [bits(t) for cache in caches for t in cache]
+
+
+def same(a: Run, b: Run) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a[0] + a[1], b[0] + b[1], strict=True))
+
+
+def model_of(path: Path | None, dtype: str) -> DecoderModel:
+    return build_model(load_model(None if path is None else str(path)), EngineConfig(), dtype, 128)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_equals_per_op_on_mixed_quantized_formats(tiny_q4_k_m_gguf: Path, dtype: str) -> None:
+    model = model_of(tiny_q4_k_m_gguf, dtype)
+    assert model.fused is not None
+    per_op = run_steps(model, fused=False)
+    assert same(run_steps(model, fused=True), per_op)
+    # negative control: activation block scales taken over the whole batch (a test hook) are seen
+    assert not same(run_steps(model, fused=True, flags=TEST_BATCH_SCALE), per_op)
+
+
+def test_fused_equals_per_op_on_the_bf16_gemm_with_biases(tiny_qwen2_dir: TinyModel) -> None:
+    model = model_of(tiny_qwen2_dir.path, "bfloat16")
+    assert model.fused is not None and model.layers[0].qkv.backend == "native"
+    assert same(run_steps(model, fused=True), run_steps(model, fused=False))
+
+
+def test_models_the_fast_path_does_not_serve_take_the_per_op_path(
+    tiny_qwen3_dir: TinyModel, tiny_qwen2_dir: TinyModel
+) -> None:
+    assert model_of(tiny_qwen3_dir.path, "bfloat16").fused is None  # per-head q/k norms
+    assert model_of(tiny_qwen2_dir.path, "float32").fused is None  # fp32 dense weights: oneDNN
+
+
+def test_fused_rejects_a_cache_of_another_shape(tiny_q4_k_m_gguf: Path) -> None:
+    model = model_of(tiny_q4_k_m_gguf, "bfloat16")
+    spec = model.spec
+    assert model.fused is not None
+    caches = [new_kv_cache(2, BLOCK, spec.num_kv_heads, spec.head_dim, torch.bfloat16) for _ in model.layers]
+    meta = AttentionMetadata.build([(0, 3, [5])], BLOCK)  # block 5 of a 2-block cache
+    hidden = model.embed(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="does not fit a cache of 2 blocks"):
+        model.fused(hidden, torch.arange(3), meta, caches, model.rotary)
+
+
+@pytest.mark.slow
+def test_fused_equals_per_op_on_the_default_model() -> None:
+    model = model_of(None, "bfloat16")
+    assert model.fused is not None
+    assert same(run_steps(model, fused=True), run_steps(model, fused=False))

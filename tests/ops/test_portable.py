@@ -1,0 +1,202 @@
+"""Portable numerics kernels (ops/portable.py; csrc/portable_math.h, sampling.c, rotary_tables.c,
+gemm_f32.c): accurate against float64 references, the same bits for -march=native / x86-64-v3 / x86-64
+builds, each row independent of the others and of the thread count, bad inputs refused.
+
+Every build goes to a pytest temporary directory, never to the user's cache."""
+
+from __future__ import annotations
+
+import math
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+
+from deterministic_inference.ops import native, portable
+from deterministic_inference.ops.backend import NativeBackend, Numerics
+from deterministic_inference.ops.native import NativeBuildError, NativeKernels, build, load
+from deterministic_inference.ops.selfcheck import torch_threads
+from tests.ops.helpers import bits
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+OTHER_ISAS = {"x86-64": ("-march=x86-64",), "x86-64-v3": ("-march=x86-64-v3",)}
+INF = float("inf")
+
+
+@pytest.fixture(scope="module")
+def portable_builds(build_dir: Path) -> dict[str, NativeKernels]:
+    """The kernels built for older x86-64 ISA levels (SSE2 only, AVX2)."""
+    return {name: load(build(flags, build_dir)) for name, flags in OTHER_ISAS.items()}
+
+
+def logits_rows(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """[rows, vocab] fp32 from flat to peaked rows, some with -inf columns (masked tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([0.3, 4.0, 40.0])[torch.arange(rows) % 3]
+    logits = torch.randn(rows, vocab, generator=gen) * scales[:, None]
+    masked = (torch.rand(rows, vocab, generator=gen) < 0.2) & (torch.arange(rows)[:, None] % 2 == 1)
+    masked[:, 0] = False
+    return logits.masked_fill(masked, -INF)
+
+
+def all_outputs(kernels: NativeKernels) -> list[torch.Tensor]:
+    """Every portable op on fixed inputs (vocab sizes around the 16-lane tails)."""
+    out: list[torch.Tensor] = []
+    for vocab in (1, 15, 17, 1000, 49152):
+        rows = logits_rows(5, vocab, vocab)
+        out.append(portable.log_softmax_rows(rows, kernels))
+        out.append(portable._rows(rows, 1, kernels))  # softmax
+        out.append(portable._rows(rows.abs().clamp(max=1e30), 2, kernels))  # cumsum
+    inv = portable.inverse_frequencies(kernels, 10000.0, 64)
+    out.append(inv)
+    out.extend(portable.rotary_tables(kernels, inv, 4096))
+    gen = torch.Generator().manual_seed(1)
+    for m, n, k in ((1, 33, 70), (6, 64, 64), (13, 200, 129)):
+        x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+        bias = torch.randn(n, generator=gen)
+        out.append(portable.gemm_f32(kernels, x, portable.pack_f32(kernels, w), n, bias))
+    return out
+
+
+@pytest.mark.skipif(not X86, reason="the alternative builds use x86-64 -march levels")
+def test_march_does_not_change_bits(
+    kernels: NativeKernels, portable_builds: dict[str, NativeKernels]
+) -> None:
+    expected = [bits(t) for t in all_outputs(kernels)]
+    for name, other in portable_builds.items():
+        got = [bits(t) for t in all_outputs(other)]
+        differing = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if not torch.equal(a, b)]
+        assert not differing, f"{name} vs native: outputs {differing} differ"
+
+
+@pytest.mark.skipif(not X86, reason="the alternative builds use x86-64 -march levels")
+def test_elementary_functions_same_bits_across_builds(
+    kernels: NativeKernels, portable_builds: dict[str, NativeKernels]
+) -> None:
+    grid = [x / 7.0 for x in range(-6000, 6000, 7)]
+
+    def values(k: NativeKernels) -> list[float]:
+        lib = k.library
+        return (
+            [f(x) for x in grid for f in (lib.detinf_test_expf, lib.detinf_test_exp)]
+            + [lib.detinf_test_log(abs(x) + 1e-300) for x in grid]
+            + [lib.detinf_test_sincos(x * 100.0, c) for x in grid for c in (0, 1)]
+        )
+
+    expected = values(kernels)
+    for name, other in portable_builds.items():
+        assert values(other) == expected, name
+
+
+def test_elementary_functions_are_accurate(kernels: NativeKernels) -> None:
+    lib = kernels.library
+    for x in torch.tensor([i / 97.0 for i in range(-8400, 8500)]).tolist():  # fp32 inputs, as it takes
+        assert abs(lib.detinf_test_expf(x) - math.exp(x)) <= 3e-7 * math.exp(x) + 1e-38, x
+    for x in [i / 3.0 for i in range(-2000, 2000)]:
+        assert abs(lib.detinf_test_exp(x) - math.exp(x)) <= 4e-16 * math.exp(x), x
+    for x in [1e-310, 1e-300, 0.5, 0.7071, 1.0, 1.0 + 1e-12, 1.4142, 2.0, 10000.0, 500000.0, 1e300]:
+        assert abs(lib.detinf_test_log(x) - math.log(x)) <= 4e-16 * max(1.0, abs(math.log(x))), x
+    for x in [i * 0.731 for i in range(-3000, 3000)] + [131071.0 * 0.9, 1e5 + 0.25]:
+        assert abs(lib.detinf_test_sincos(x, 0) - math.sin(x)) < 2e-15 * max(1.0, abs(x) * 1e-3), x
+        assert abs(lib.detinf_test_sincos(x, 1) - math.cos(x)) < 2e-15 * max(1.0, abs(x) * 1e-3), x
+    assert lib.detinf_test_expf(0.0) == 1.0 and lib.detinf_test_expf(-100.0) == 0.0
+    assert lib.detinf_test_expf(-INF) == 0.0 and math.isnan(lib.detinf_test_expf(math.nan))
+    assert lib.detinf_test_log(1.0) == 0.0 and lib.detinf_test_log(0.0) == -INF
+
+
+def test_row_ops_match_float64_references(kernels: NativeKernels) -> None:
+    rows = logits_rows(6, 3000, 7)
+    ref = torch.log_softmax(rows.double(), dim=1)
+    got = portable.log_softmax_rows(rows, kernels)
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(got), finite)
+    error = (got.double() - ref)[finite].abs() / (ref[finite].abs() * 2.0**-23 + 1e-6)
+    assert float(error.max()) <= 1.0  # within an fp32 ulp of the value (plus 1e-6 absolute)
+    probs = portable.softmax_rows(rows)
+    assert float((probs.double() - torch.softmax(rows.double(), dim=1)).abs().max()) < 1e-6
+    assert float(probs[rows == -INF].abs().max()) == 0.0  # masked tokens: exactly zero probability
+    sums = portable.cumsum_rows(probs)
+    assert float((sums.double() - torch.cumsum(probs.double(), dim=1)).abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_row_alone_equals_the_batch(kernels: NativeKernels, threads: int) -> None:
+    rows = logits_rows(40, 5000, 3)  # above the kernels' threading threshold
+    with torch_threads(threads):
+        batch = [bits(portable.log_softmax_rows(rows, kernels)), bits(portable.softmax_rows(rows))]
+    for r in (0, 17, 39):
+        assert torch.equal(bits(portable.log_softmax_rows(rows[r], kernels)), batch[0][r])
+        assert torch.equal(bits(portable.softmax_rows(rows[r : r + 1]))[0], batch[1][r])
+
+
+def test_nan_and_infinite_rows() -> None:
+    rows = torch.tensor([[0.0, math.nan, 1.0], [-INF, -INF, -INF], [INF, 0.0, 1.0], [-INF, 2.0, 2.0]])
+    out = portable.log_softmax_rows(rows)
+    assert bool(out[:3].isnan().all())
+    log_half = float(torch.tensor(-math.log(2.0), dtype=torch.float32))
+    assert out[3, 0] == -INF and float(out[3, 1]) == float(out[3, 2]) == log_half
+
+
+def test_gemm_f32_rows_do_not_depend_on_the_batch(kernels: NativeKernels) -> None:
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(130, 96, generator=gen), torch.randn(11, 96, generator=gen)
+    packed = portable.pack_f32(kernels, w)
+    whole = bits(portable.gemm_f32(kernels, x, packed, 130, None))
+    for r in range(11):
+        assert torch.equal(bits(portable.gemm_f32(kernels, x[r : r + 1], packed, 130, None))[0], whole[r])
+    reference = x.double() @ w.double().T
+    assert float((portable.gemm_f32(kernels, x, packed, 130, None).double() - reference).abs().max()) < 1e-4
+
+
+def test_bad_inputs_are_refused(kernels: NativeKernels) -> None:
+    with pytest.raises(ValueError, match="packed"):
+        portable.gemm_f32(kernels, torch.zeros(2, 5), torch.zeros(16 * 4), 3, None)
+    with pytest.raises(ValueError, match="fp32"):
+        portable.pack_f32(kernels, torch.zeros(3, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="2\\^20"):
+        portable.rotary_tables(kernels, torch.tensor([1.0, 0.5]), 2_000_000)
+
+
+def test_kernel_march_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
+    assert native.isa_flags() == ("-march=x86-64-v3",)
+    monkeypatch.delenv(native.MARCH_ENV)
+    assert native.isa_flags() == ("-march=native",)
+    monkeypatch.setenv(native.MARCH_ENV, "pentium4")
+    with pytest.raises(NativeBuildError, match="DETINF_KERNEL_MARCH: 'pentium4' is not one of native"):
+        native.isa_flags()
+
+
+def test_torch_log_softmax_switch_puts_torch_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The negative controls' switch really replaces the kernel by torch's (ISA-dispatched) function."""
+    rows = logits_rows(4, 1000, 11)
+    monkeypatch.setenv(portable.TORCH_LOG_SOFTMAX_ENV, "1")
+    assert torch.equal(bits(portable.log_softmax_rows(rows)), bits(torch.log_softmax(rows, dim=-1)))
+
+
+def test_rotary_tables_are_accurate_and_used_by_the_native_backend(kernels: NativeKernels) -> None:
+    """Inverse frequencies within 2 fp32 ulps of float64; cos / sin of each fp32 angle within one
+    rounding of float64; the native backend's tables are these."""
+    numerics = Numerics(dtype=torch.bfloat16, batch_invariant=True, tile_rows=4)
+    table = NativeBackend(numerics, kernels).rotary_table(64, 500000.0, 8192, None)
+    inv = portable.inverse_frequencies(kernels, 500000.0, 64)  # [32]
+    exact = 1.0 / (500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    assert float(((inv.double() - exact) / exact).abs().max()) < 2.0**-22
+    angles = (torch.arange(8192).float()[:, None] * inv[None, :]).double()  # the fp32 angles
+    assert float((table.cos[:, :32].double() - angles.cos()).abs().max()) < 6e-8
+    assert float((table.sin[:, 32:].double() - angles.sin()).abs().max()) < 6e-8
+    assert torch.equal(bits(table.cos[:, :32]), bits(table.cos[:, 32:]))
+    assert torch.equal(bits(table.sin), bits(portable.rotary_tables(kernels, inv, 8192)[1]))
+
+
+def test_backend_logprobs_are_the_samplers(kernels: NativeKernels) -> None:
+    """A trainer's logprobs (the backend's log_softmax_rows) equal the sampler's prompt logprobs bits."""
+    from deterministic_inference.engine import sampler
+
+    logits = logits_rows(6, 777, 21)
+    numerics = Numerics(dtype=torch.float32, batch_invariant=True, tile_rows=4)
+    trainer = NativeBackend(numerics, kernels).log_softmax_rows(logits)  # [6, 777]
+    targets = [3, 700, 5, 0, 10, 776]
+    values, _ = sampler.prompt_logprobs(logits, targets, 0)
+    assert bits(torch.tensor(values)).tolist() == bits(trainer[range(6), targets]).tolist()

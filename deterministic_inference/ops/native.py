@@ -35,12 +35,16 @@ _QUANT = ("act", "unpack", "unpack512", "gemv512", "kernels", "kernels256", "gem
 QUANT_SOURCES = tuple(_CSRC / f"quant_{name}.c" for name in _QUANT)
 # portable numerics (ops/portable.py): the sampler's arithmetic, rotary tables, the fp32 GEMM
 PORTABLE_SOURCES = (_CSRC / "sampling.c", _CSRC / "rotary_tables.c", _CSRC / "gemm_f32.c")
+_ATTENTION = (_CSRC / "attention.c", _CSRC / "attention_tile.c")
 SOURCES = (  # compiled together; decoder.c is the decode fast path (ops/fused.py)
-    _CSRC / "attention.c", _CSRC / "rowwise.c", _CSRC / "gemm.c", _CSRC / "moe.c", *QUANT_SOURCES,
+    *_ATTENTION, _CSRC / "rowwise.c", _CSRC / "gemm.c", _CSRC / "moe.c", *QUANT_SOURCES,
     *PORTABLE_SOURCES, _CSRC / "decoder.c",
 )  # fmt: skip
 # included; part of the digest
-HEADERS = (_CSRC / "common.h", _CSRC / "quant.h", _CSRC / "quant512.h", _CSRC / "portable_math.h")
+HEADERS = (
+    _CSRC / "common.h", _CSRC / "attention.h", _CSRC / "quant.h", _CSRC / "quant512.h",
+    _CSRC / "portable_math.h",
+)  # fmt: skip
 # -fopenmp: rows are shared out between OpenMP threads. torch is imported first and has loaded its own
 # libgomp.so.1, which the kernels' libgomp.so.1 dependency then resolves to: one thread pool, sized by
 # torch.set_num_threads.
@@ -75,21 +79,24 @@ class NativeKernels:
         scale: float,
         out: torch.Tensor,  # [T, H, D] fp32, rows [first, end) written
         rows: tuple[int, int] | None = None,  # compute only token rows [first, end); default all
+        tile: int = 0,  # query tokens of a sequence computed together (1..8); 0 = the kernel's choice
     ) -> None:
-        """Causal attention of each row over its own keys. Invariant by construction (see the C file)."""
+        """Causal attention of each row over its own keys. Invariant by construction (see the C file):
+        the row range and the tile size change speed only."""
         _check_inputs(q, k_cache, v_cache, out, (block_ids, row_table, row_keys))
         first, end = rows if rows is not None else (0, q.shape[0])
         if (
-            not 0 <= first <= end <= q.shape[0]
+            not 0 <= tile <= 8
+            or not 0 <= first <= end <= q.shape[0]
             or row_table.shape[0] != q.shape[0]
             or row_keys.shape[0] != q.shape[0]
         ):
-            raise ValueError("attention kernel: row range or per-row tensors do not match q")
+            raise ValueError("attention kernel: tile, row range or per-row tensors do not match q")
         status = self.library.detinf_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
             block_ids.data_ptr(), block_ids.shape[0], row_table.data_ptr(), row_keys.data_ptr(), first, end,
             q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[3], k_cache.shape[0], scale,
-            out.data_ptr(),
+            out.data_ptr(), tile,
         )  # fmt: skip
         if status == 2:
             raise ValueError("attention kernel: a row sees no key or its block table is out of range")
@@ -334,7 +341,7 @@ def load(path: Path) -> NativeKernels:
     library.detinf_attention.restype = ctypes.c_int
     library.detinf_attention.argtypes = [
         pointer, pointer, pointer, ctypes.c_int, pointer, i64, pointer, pointer,
-        i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, pointer,
+        i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, pointer, i64,
     ]  # fmt: skip
     library.detinf_add_rms_norm.restype = None
     library.detinf_add_rms_norm.argtypes = [

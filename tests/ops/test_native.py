@@ -32,12 +32,14 @@ from tests.ops.helpers import HEAD_DIM, HEADS, KV_HEADS, TINY_HEAD_DIM, TINY_HEA
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 # Other builds compared with the default (-march=native): SSE2 only, and AVX2 (x86-64-v3).
 OTHER_ISAS = {"x86-64": ("-march=x86-64",), "x86-64-v3": ("-march=x86-64-v3",)}
-# (heads, KV heads, head dim): SmolLM2, the tiny test models, and a head dim that is not a multiple of
-# 16 (the kernel's scalar value loop).
+# (heads, KV heads, head dim): SmolLM2, the tiny test models, a head dim that is not a multiple of 16
+# (the kernel's scalar value loop), and 16 query heads on one KV head (a tile's rows of one KV head span
+# more than one group of rows sharing a load).
 HEAD_SHAPES = {
     "smollm2": (HEADS, KV_HEADS, HEAD_DIM),
     "tiny": (TINY_HEADS, TINY_KV_HEADS, TINY_HEAD_DIM),
     "dim24": (2, 1, 24),
+    "mqa16": (16, 1, 16),
 }
 BLOCK_SIZES = (16, 8)  # 16: the vectorised score path; 8: the generic path
 LENGTHS = (1, 15, 16, 17, 100)  # around one and two blocks, and a long one
@@ -85,18 +87,22 @@ def call_kernel(
     case: Case,
     out: torch.Tensor,  # [T, H, D] fp32
     rows: tuple[int, int] | None = None,
+    tile: int = 0,
 ) -> None:
     """The kernel on the case's inputs, writing rows [first, end) of `out` (default all)."""
     m = case.meta
     kernels.attention(
-        case.q, case.k_cache, case.v_cache, m.block_ids, m.row_table, m.row_keys, case.scale, out, rows=rows
-    )
+        case.q, case.k_cache, case.v_cache, m.block_ids, m.row_table, m.row_keys, case.scale, out,
+        rows=rows, tile=tile,
+    )  # fmt: skip
 
 
-def run_kernel(kernels: NativeKernels, case: Case, rows: tuple[int, int] | None = None) -> torch.Tensor:
+def run_kernel(
+    kernels: NativeKernels, case: Case, rows: tuple[int, int] | None = None, tile: int = 0
+) -> torch.Tensor:
     """The kernel's fp32 output [T, H, D]; rows it does not compute stay NaN."""
     out = torch.full(case.q.shape, float("nan"))
-    call_kernel(kernels, case, out, rows)
+    call_kernel(kernels, case, out, rows, tile)
     return out
 
 
@@ -294,6 +300,12 @@ def test_attention_refuses_inputs_it_would_misread(
 def test_attention_refuses_a_bad_row_range(kernels: NativeKernels, rows: tuple[int, int]) -> None:
     with pytest.raises(ValueError, match="row range"):
         kernels.attention(**_valid_inputs(), rows=rows)
+
+
+@pytest.mark.parametrize("tile", [-1, 9])
+def test_attention_refuses_a_bad_tile(kernels: NativeKernels, tile: int) -> None:
+    with pytest.raises(ValueError, match="tile"):
+        kernels.attention(**_valid_inputs(), tile=tile)
 
 
 def test_metadata_for_another_cache_is_refused(kernels: NativeKernels) -> None:

@@ -1,0 +1,171 @@
+/* Pieces shared by the attention kernel's two files: attention.c (the entry point, the bounds check and
+   the generic loops for any block size and head_dim) and attention_tile.c (the 16-key-block path that
+   computes a tile of query rows against each loaded block).
+
+   The arithmetic of one output row (one query token x one query head) is spelled out in attention.c;
+   every helper here is a fixed sequence of IEEE float operations applied to that row's own data, so
+   sharing a load between rows (the n-row kernels) never changes a row's bits. */
+
+#ifndef DETINF_ATTENTION_H
+#define DETINF_ATTENTION_H
+
+#include "common.h"
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* Most rows (query token x query head of one KV head) that share one loaded key or value vector. With
+   12 the load and bf16 widening of each vector are spread over 12 fused multiply-adds and the kernels
+   run at 97% of this machine's FMA peak (Zen 4: 3.5 of 3.6 G 16-lane FMAs/s per core, data in L1);
+   from 16 rows GCC no longer keeps every accumulator in a register and the rate falls to ~2 G/s. */
+#define MAX_SHARED_ROWS 12
+/* Most query tokens in one tile (rows of one sequence computed together). */
+#define MAX_TILE_TOKENS 8
+
+/* exp(x) for x in [-87, 0] (the softmax numerators). */
+static inline float exp_nonpositive(float x) { return exp_in_range(x); }
+
+static inline void load_bf16(const uint16_t *src, float *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits = (uint32_t)src[i] << 16;
+        memcpy(&dst[i], &bits, sizeof bits);
+    }
+}
+
+static inline void load_row(const void *base, int64_t offset, float *dst, int64_t n, int bf16) {
+    if (bf16) load_bf16((const uint16_t *)base + offset, dst, n);
+    else memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
+}
+
+/* Sixteen floats as one value (GCC/Clang vector extension): each operation is the same IEEE operation
+   applied lane by lane, so results are those of scalar code, whatever the target ISA. */
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+/* a * b + c per lane with one rounding (one vfmadd on AVX-512, fmaf calls elsewhere: same bits). With
+   AVX-512 the intrinsic is spelled out so that GCC broadcasts `a` from memory inside the FMA: left to
+   itself it loaded 16 neighbouring floats and broadcast one from a register, a shuffle per FMA. */
+INLINE f32x16 fma16(float a, f32x16 b, f32x16 c) {
+#if defined(__AVX512F__)
+    return (f32x16)_mm512_fmadd_ps(_mm512_set1_ps(a), (__m512)b, (__m512)c);
+#else
+    f32x16 broadcast, result;
+    for (int l = 0; l < 16; l++) broadcast[l] = a;
+    for (int l = 0; l < 16; l++) result[l] = fmaf(broadcast[l], b[l], c[l]);
+    return result;
+#endif
+}
+
+INLINE f32x16 load16(const void *base, int64_t index, int bf16) {
+    f32x16 value;
+    if (bf16) {
+#if defined(__AVX512F__)
+        const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
+        const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
+        memcpy(&value, &bits, sizeof value);
+#else
+        u16x16 half;
+        memcpy(&half, (const uint16_t *)base + index, sizeof half);
+        u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
+        memcpy(&value, &bits, sizeof value);
+#endif
+    } else {
+        memcpy(&value, (const float *)base + index, sizeof value);
+    }
+    return value;
+}
+
+/* A row's scores lie in blocks of 16 keys, `step` floats apart (16: one contiguous row): key j is
+   scores[(j / 16) * step + j % 16]. */
+#define KEY_AT(scores, step, j) ((scores)[((j) / LANES) * (step) + (j) % LANES])
+
+/* max over the row's keys 0..keys-1, the value of the sequential loop
+       m = s[0]; for j >= 1: m = s[j] > m ? s[j] : m
+   computed in 16 lanes (each started at s[0]) then across them. A NaN never wins a comparison, so the
+   result is NaN exactly when s[0] is, else the largest non-NaN score; only the sign of a zero maximum
+   can differ from the sequential loop's, and exp(s - m) is the same for m = +0 and m = -0 (s - m is the
+   same for s != 0, and exp(+0) = exp(-0) = 1), so the softmax weights are bit for bit the loop's. */
+static inline float row_max(const float *scores, int64_t keys, int64_t step) {
+    float lanes[LANES];
+    for (int l = 0; l < LANES; l++) lanes[l] = scores[0];
+    int64_t j = 0;
+    for (; j + LANES <= keys; j += LANES) {
+        const float *x = scores + (j / LANES) * step;
+        for (int l = 0; l < LANES; l++) lanes[l] = x[l] > lanes[l] ? x[l] : lanes[l];
+    }
+    for (; j < keys; j++) lanes[0] = KEY_AT(scores, step, j) > lanes[0] ? KEY_AT(scores, step, j) : lanes[0];
+    float m = lanes[0];
+    for (int l = 1; l < LANES; l++) m = lanes[l] > m ? lanes[l] : m;
+    return m;
+}
+
+/* In place over the row's keys: s -> exp(s - max), clamped below at -87. Returns their sum, as
+   lane_sum (common.h) would over the contiguous row: key j goes to lane j % 16, then lane_tree. */
+static inline float exp_and_sum(float *scores, int64_t keys, int64_t step) {
+    const float m = row_max(scores, keys, step);
+    float lanes[LANES] = {0};
+    int64_t j = 0;
+    for (; j + LANES <= keys; j += LANES) {
+        float *x = scores + (j / LANES) * step;
+        for (int l = 0; l < LANES; l++) {
+            const float shifted = x[l] - m;
+            x[l] = exp_nonpositive(shifted < -87.0f ? -87.0f : shifted);
+            lanes[l] = lanes[l] + x[l];
+        }
+    }
+    float *x = scores + (j / LANES) * step;
+    for (int l = 0; j + l < keys; l++) {
+        const float shifted = x[l] - m;
+        x[l] = exp_nonpositive(shifted < -87.0f ? -87.0f : shifted);
+        lanes[l] = lanes[l] + x[l];
+    }
+    return lane_tree(lanes);
+}
+
+/* The caches of one layer hold blocks of `block` slots (slot = block_id * block + offset):
+     keys   [num_blocks, KVH, D, block]   a head's keys transposed inside a block (key index fastest)
+     values [num_blocks, KVH, block, D]
+   Row r is query token r (row r of q and out); it sees keys 0..row_keys[r]-1 of the sequence whose
+   block table starts at block_ids[row_table[r]]. q, out: [T, H, D] fp32. */
+typedef struct {
+    const float *q;
+    const void *k_cache;
+    const void *v_cache;
+    int bf16;
+    const int64_t *block_ids;
+    const int64_t *row_table;
+    const int64_t *row_keys;
+    int64_t heads, kv_heads, head_dim, block;
+    float scale;
+    float *out;
+    int64_t end_row; /* rows [first_row, end_row) are computed: their block tables were checked */
+} attention_args;
+
+/* Workspace of one thread, for a tile of up to `tokens` query tokens:
+     scores [tokens][H][keys rounded up to the block]   acc [tokens][H][D]   totals [tokens][H]
+   tile: one key block (generic loops) or a chunk's interleaved queries [D][MAX_SHARED_ROWS] (fast path),
+   whichever is larger. */
+typedef struct {
+    float *scores;
+    float *tile;
+    float *acc;
+    float *totals;
+} workspace;
+
+/* scores[i * 16 + l] = (sum over d ascending of q_i[d] * k_l[d]) * scale for n (1..MAX_SHARED_ROWS)
+   rows against the 16 keys of one block of the transposed key cache at `offset`; the queries
+   interleaved: qt[d * n + i] = q_i[d] (for n = 1, the query row itself). attention_tile.c. */
+void detinf_rows_scores16(int n, const float *qt, const void *keys_t, int64_t offset, int64_t dim, int bf16,
+                          float scale, float *scores);
+
+/* acc[i * dim + d] += p[i * 16 + l] * v_l[d] for l = first..end-1 ascending (fused multiply-adds, each d
+   on its own), n (1..MAX_SHARED_ROWS) rows sharing the value loads of one block at `offset` (n = 1: p is
+   the row's weights, any number of keys). attention_tile.c. */
+void detinf_rows_values16(int n, const float *p, const void *v_cache, int64_t offset, int64_t first,
+                          int64_t end, int64_t dim, int bf16, float *acc);
+
+/* Query tokens r0..r0+tokens-1 of one sequence, every head; 16-key blocks, head_dim a multiple of 16. */
+void detinf_attend_tile16(const attention_args *a, int64_t r0, int64_t tokens, const workspace *w);
+
+#endif

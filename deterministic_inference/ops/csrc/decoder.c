@@ -28,7 +28,7 @@ int detinf_attention(const float *q, const void *k_cache, const void *v_cache, i
                      const int64_t *block_ids, int64_t num_ids, const int64_t *row_table,
                      const int64_t *row_keys, int64_t first_row, int64_t end_row, int64_t heads,
                      int64_t kv_heads, int64_t head_dim, int64_t block, int64_t num_blocks, float scale,
-                     float *out);
+                     float *out, int64_t tile);
 int detinf_quant_gemm(const void *x, int64_t m, int64_t k, int x_bf16, const detinf_qpart *parts, int64_t nparts,
                       const float *bias, void *out, int64_t n, int out_bf16, int flags);
 void detinf_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
@@ -95,7 +95,7 @@ static int attention_block(const detinf_layer *layer, const detinf_step *s, int 
     if (status) return FUSED_ROTARY_RANGE;
     status = detinf_attention(s->q32, layer->k_cache, layer->v_cache, bf16, s->block_ids, s->num_ids, s->row_table,
                               s->row_keys, 0, t, s->heads, s->kv_heads, s->head_dim, s->block_size, s->num_blocks,
-                              s->scale, s->att32);
+                              s->scale, s->att32, 0 /* tile: the kernel's choice; never changes a bit */);
     if (status == 2) return FUSED_ATTENTION_RANGE;
     if (status) return FUSED_ATTENTION_MEMORY;
     if (!bf16) return FUSED_OK;

@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--impls", nargs="+", default=["detinf-inv", "llama.cpp"])
     parser.add_argument("--one", choices=["detinf-inv", "detinf-plain", "llama.cpp"], help=argparse.SUPPRESS)

@@ -10,8 +10,9 @@ New K/V are written to the cache first; then every query row attends over its ow
 read back from the cache, so a token's attention never depends on whether its keys were computed in
 this step, an earlier chunk or an earlier request (prefix cache).
 
-The invariant path is the compiled kernel `ops/csrc/attention.c` (see `ops/native.py`): one query row
-at a time, in a summation order fixed by its source, over exactly the row's keys. The plain path
+The invariant path is the compiled kernel `ops/csrc/attention*.c` (see `ops/native.py`): every query row
+in a summation order fixed by its source, over exactly the row's keys; a few tokens of a sequence share
+each loaded key/value block (tiles), which changes speed, not bits. The plain path
 (`kernels=None`, for `batch_invariant=False`) is torch's SDPA per sequence.
 """
 

@@ -43,7 +43,7 @@ def make_world(head_shape: str, dtype: torch.dtype, seed: int = 0, block_size: i
 def plans() -> dict[str, list[Items]]:
     """Ways to compute sequence 0's rows; each plan is a list of steps."""
     result: dict[str, list[Items]] = {}
-    for size in (7, 16, 64):
+    for size in (3, 7, 16, 64):  # 3: chunks that cut the kernel's 4-token tiles
         result[f"chunks{size}"] = [[(0, s, min(size, LENGTH - s))] for s in range(0, LENGTH, size)]
     result["decode"] = [[(0, p, 1)] for p in DECODE_POSITIONS]
     result["decode_grouped"] = [

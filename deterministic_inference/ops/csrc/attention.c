@@ -10,7 +10,10 @@
      out[d]    = acc[d] / l
    where j runs over the row's own keys 0..n-1 and nothing else. No row reads another row's data, so
    a row's bits cannot depend on the batch, the chunk it is in, the number of rows per call or the
-   thread that computes it.
+   thread that computes it. With 16-key blocks and head_dim a multiple of 16 (attention_tile.c), rows of
+   up to a few consecutive tokens of one sequence share each loaded key and value vector (a tile), each
+   keeping its own accumulators and order, so tiles change speed only; this file holds the entry point,
+   the bounds check and the generic loops for other shapes.
 
    Build flags must keep that promise: no -ffast-math (no reassociation) and -ffp-contract=off (the
    compiler fuses nothing on its own). Fused multiply-adds appear only where the source asks for one
@@ -164,10 +167,13 @@ int detinf_attention(const float *q, const void *k_cache, const void *v_cache, i
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(end_row - first_row + 1));
     if (starts == NULL) return 1;
     const int64_t tiles = split_tiles(row_table, first_row, end_row, tokens, starts);
-    const size_t rows = (size_t)(tokens * heads);
+    const size_t rows = (size_t)(fast ? tokens * group : heads); /* workspace rows of one item */
     int status = 0;
-    /* Tiles are shared out between torch's OpenMP threads (the process's one libgomp, so no second
-       thread pool); each tile is computed whole by one thread, so the split never changes a bit. */
+    /* Work items (a tile on the fast path, with one of its KV heads; a row otherwise) are shared out
+       between torch's OpenMP threads (the process's one libgomp, so no second thread pool); each item is
+       computed whole by one thread, so the split never changes a bit. KV heads as separate items let a
+       single decoding sequence use every thread. */
+    const int64_t items = fast ? tiles * kv_heads : tiles;
 #pragma omp parallel reduction(| : status)
     {
         const size_t tile_floats = (size_t)(head_dim * (block > MAX_SHARED_ROWS ? block : MAX_SHARED_ROWS));
@@ -175,13 +181,14 @@ int detinf_attention(const float *q, const void *k_cache, const void *v_cache, i
                        malloc(sizeof(float) * rows * (size_t)head_dim), malloc(sizeof(float) * rows)};
         const int ready = w.scores != NULL && w.tile != NULL && w.acc != NULL && w.totals != NULL;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t item = 0; item < items; item++) {
             if (!ready) {
                 status |= 1;
             } else if (fast) {
-                detinf_attend_tile16(&a, starts[t], starts[t + 1] - starts[t], &w);
+                const int64_t t = item / kv_heads;
+                detinf_attend_tile16(&a, starts[t], starts[t + 1] - starts[t], item % kv_heads, &w);
             } else {
-                for (int64_t kvh = 0; kvh < kv_heads; kvh++) attend(&a, starts[t], kvh, &w);
+                for (int64_t kvh = 0; kvh < kv_heads; kvh++) attend(&a, starts[item], kvh, &w);
             }
         }
         free(w.scores);

@@ -142,8 +142,9 @@ typedef struct {
     int64_t end_row; /* rows [first_row, end_row) are computed: their block tables were checked */
 } attention_args;
 
-/* Workspace of one thread, for a tile of up to `tokens` query tokens:
-     scores [tokens][H][keys rounded up to the block]   acc [tokens][H][D]   totals [tokens][H]
+/* Workspace of one thread, for R rows (one KV head's query heads x a tile's tokens on the fast path,
+   every head of one token on the generic path):
+     scores [R][keys rounded up to the block]   acc [R][D]   totals [R]
    tile: one key block (generic loops) or a chunk's interleaved queries [D][MAX_SHARED_ROWS] (fast path),
    whichever is larger. */
 typedef struct {
@@ -165,7 +166,8 @@ void detinf_rows_scores16(int n, const float *qt, const void *keys_t, int64_t of
 void detinf_rows_values16(int n, const float *p, const void *v_cache, int64_t offset, int64_t first,
                           int64_t end, int64_t dim, int bf16, float *acc);
 
-/* Query tokens r0..r0+tokens-1 of one sequence, every head; 16-key blocks, head_dim a multiple of 16. */
-void detinf_attend_tile16(const attention_args *a, int64_t r0, int64_t tokens, const workspace *w);
+/* Query tokens r0..r0+tokens-1 of one sequence, the query heads of KV head kvh; 16-key blocks, head_dim a
+   multiple of 16. */
+void detinf_attend_tile16(const attention_args *a, int64_t r0, int64_t tokens, int64_t kvh, const workspace *w);
 
 #endif

@@ -112,7 +112,7 @@ class TrainableBackend:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Qwen3's per-head q/k norm: the engine's RMSNorm kernel (the fused one with no residual), with
         the same backward as `add_rms_norm`."""
-        rows = x.reshape(-1, x.shape[-1])  # [N, W]
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # [N, W], as NativeBackend.rms_norm passes it
         normed: torch.Tensor
         normed, _ = functions.AddRmsNormFn.apply(self.native.add_rms_norm, eps, rows, None, weight)
         return normed.reshape(x.shape)

@@ -113,19 +113,18 @@ def app_builder(args: dict[str, Any]) -> Any:
     return build_application(spec)
 
 
-def deploy(spec: ReplicatedSpec, host: str, port: int, ray_address: str | None) -> bool:
-    """Connect to Ray, start Serve's HTTP proxy on host:port and deploy; returns whether this call
-    connected to Ray (then `undeploy` disconnects)."""
-    connected = cluster.connect(ray_address, int(spec.replicas * spec.cpus_per_replica) + 1)
+def deploy(spec: ReplicatedSpec, host: str, port: int) -> None:
+    """Start Serve's HTTP proxy on host:port and deploy the application (Ray is connected already)."""
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
     serve.run(build_application(spec), name=APP_NAME, route_prefix="/")
-    return connected
 
 
 def undeploy(connected: bool) -> None:
-    """Delete the application; stop Serve when nothing else runs on it; disconnect if `connected`."""
+    """Delete the application (if it was deployed); stop Serve when nothing else runs on it; disconnect
+    if `connected`."""
     try:
-        serve.delete(APP_NAME)
+        if APP_NAME in serve.status().applications:
+            serve.delete(APP_NAME)
         if not serve.status().applications:
             serve.shutdown()
     finally:
@@ -133,11 +132,13 @@ def undeploy(connected: bool) -> None:
             cluster.disconnect()
 
 
-def wait_routable(base_url: str, timeout: float = READY_TIMEOUT) -> dict[str, Any]:
-    """Poll the router's /healthz until it answers 200 (bounded); its document."""
+def wait_routable(
+    base_url: str, stop: threading.Event, timeout: float = READY_TIMEOUT
+) -> dict[str, Any] | None:
+    """Poll the router's /healthz until it answers 200 (bounded); its document, or None once `stop` is set."""
     deadline = time.monotonic() + timeout
     last: dict[str, Any] = {}
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stop.is_set():
         try:
             response = httpx.get(base_url + "/healthz", timeout=10.0)
             last = response.json()
@@ -145,33 +146,45 @@ def wait_routable(base_url: str, timeout: float = READY_TIMEOUT) -> dict[str, An
                 return last
         except (httpx.HTTPError, ValueError):
             pass
-        time.sleep(0.5)
+        stop.wait(0.5)
+    if stop.is_set():
+        return None
     raise ConfigError(f"no replica became routable within {timeout:.0f} s: {last.get('replicas')}")
+
+
+def _stop_on_signals(stop: threading.Event, shutdown_timeout: float) -> None:
+    """SIGTERM/SIGINT set `stop` and arm a watchdog (bounded: if Ray is gone, because its processes got the
+    signal too, undeploying could wait forever). Replaces the handler ray.init installs (sys.exit(15)),
+    which would skip undeploying and leave the application running on a shared cluster."""
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if not stop.is_set():
+            arm_watchdog(shutdown_timeout + SHUTDOWN_MARGIN)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
 
 
 def run_replicated(spec: ReplicatedSpec, host: str, port: int, ray_address: str | None) -> int:
     """Deploy, report readiness, serve until SIGTERM/SIGINT, then undeploy (replicas get
-    --shutdown-timeout seconds to finish in-flight requests). Exit code 0 after a clean stop."""
+    --shutdown-timeout seconds to finish in-flight requests). Exit code 0 after a clean stop, also when
+    the signal arrives while the application is still being deployed."""
     stop = threading.Event()
-    connected = deploy(spec, host, port, ray_address)
+    connected = cluster.connect(ray_address, int(spec.replicas * spec.cpus_per_replica) + 1)
     try:
-        def on_signal(signum: int, frame: Any) -> None:
-            # Bounded: if Ray is gone (its processes got the signal too), undeploy could wait forever.
-            if not stop.is_set():
-                arm_watchdog(spec.settings.shutdown_timeout + SHUTDOWN_MARGIN)
-            stop.set()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, on_signal)
-        health = wait_routable(f"http://{host}:{port}")
-        states = ", ".join(
-            f"{r['name']} {'routed' if r['routable'] else r['reason']}" for r in health["replicas"]
-        )
-        print(f"detinf serve: ready: {spec.replicas} replica(s) on Ray, system_fingerprint "
-              f"{health['system_fingerprint']}, http://{host}:{port} ({states})", file=sys.stderr, flush=True)
+        _stop_on_signals(stop, spec.settings.shutdown_timeout)
+        deploy(spec, host, port)
+        health = wait_routable(f"http://{host}:{port}", stop)
+        if health is not None:
+            states = ", ".join(
+                f"{r['name']} {'routed' if r['routable'] else r['reason']}" for r in health["replicas"]
+            )
+            print(f"detinf serve: ready: {spec.replicas} replica(s) on Ray, system_fingerprint "
+                  f"{health['system_fingerprint']}, http://{host}:{port} ({states})", file=sys.stderr,
+                  flush=True)
         stop.wait()
         print("detinf serve: shutting down the replicas", file=sys.stderr, flush=True)
         return 0
     finally:
         undeploy(connected)
-

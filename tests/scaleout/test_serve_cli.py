@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server.harness import TINY_NAME, subprocess_server, tiny_serve_args
+from tests.server.harness import (
+    TINY_NAME,
+    detinf_command,
+    free_port,
+    stop_process,
+    subprocess_server,
+    tiny_serve_args,
+)
 from tests.tiny_models import TinyModel
 
 RAY_IMPORT = re.compile(r"^import time:.*\|\s+ray(\.[\w.]+)?\s*$", re.MULTILINE)
@@ -52,3 +61,43 @@ def test_serve_replicas_cli(tiny_llama_dir: TinyModel, ray_cluster: str, tmp_pat
     text = log.read_text(errors="replace")
     assert "detinf serve: ready: 1 replica(s) on Ray" in text
     assert RAY_IMPORT.search(text)  # the detector sees Ray where it is imported (negative control)
+    assert _applications() == []  # nothing left running on the shared cluster
+
+
+def _applications() -> list[str]:
+    """Serve applications on the cluster this test process is connected to (ray_cluster)."""
+    from ray import serve
+
+    return sorted(serve.status().applications)
+
+
+def _first_http_answer(base_url: str, process: subprocess.Popen[bytes], timeout: float = 300.0) -> int:
+    """Poll until Serve's proxy answers anything (it starts before the application is deployed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            return httpx.get(base_url + "/healthz", timeout=2.0).status_code
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise AssertionError(f"the proxy never answered (exit code {process.poll()})")
+
+
+@pytest.mark.slow
+def test_sigterm_while_deploying_exits_zero_and_undeploys(
+    tiny_llama_dir: TinyModel, ray_cluster: str, tmp_path: Path
+) -> None:
+    """A SIGTERM that arrives before the application is routable (a supervisor stopping a slow start)
+    still undeploys: ray.init's own handler (sys.exit(15)) would leave the replicas holding the
+    cluster's CPUs."""
+    port = free_port()
+    args = tiny_serve_args(tiny_llama_dir, "--replicas", "1", "--ray-address", ray_cluster, "--threads", "1")
+    with open(tmp_path / "serve.log", "wb") as log:
+        process = subprocess.Popen([*detinf_command(), "serve", "--host", "127.0.0.1", "--port", str(port),
+                                    *args], stdout=log, stderr=log)
+        try:
+            _first_http_answer(f"http://127.0.0.1:{port}", process)
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=120) == 0, (tmp_path / "serve.log").read_text(errors="replace")
+        finally:
+            stop_process(process)
+    assert _applications() == []

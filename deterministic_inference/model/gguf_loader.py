@@ -172,7 +172,8 @@ def _stored_tensor(tensor: GGUFTensor, shape: tuple[int, ...], quantization: str
             if quantization != "none":
                 raise
         else:
-            return QuantizedWeight(torch.from_numpy(data).reshape(shape[0], -1), fmt, (shape[0], shape[1]))
+            stored = torch.from_numpy(data).reshape(shape[0], -1)
+            return QuantizedWeight(stored, fmt, (shape[0], shape[1]), file_mapped=True)
     from gguf.quants import dequantize
 
     values = np.asarray(dequantize(data, tensor.tensor_type), dtype=np.float32).reshape(shape)

@@ -31,7 +31,9 @@ import torch
 from deterministic_inference.errors import DetinfError
 
 _CSRC = Path(__file__).parent / "csrc"
-_QUANT = ("act", "unpack", "unpack512", "gemv512", "kernels", "kernels256", "gemm", "convert")  # ops/quant.py
+_QUANT = (  # ops/quant.py, ops/repack.py
+    "act", "unpack", "unpack512", "gemv512", "kernels", "kernels256", "gemm", "convert", "repack"
+)  # fmt: skip
 QUANT_SOURCES = tuple(_CSRC / f"quant_{name}.c" for name in _QUANT)
 # portable numerics (ops/portable.py): the sampler's arithmetic, rotary tables, the fp32 GEMM
 PORTABLE_SOURCES = (_CSRC / "sampling.c", _CSRC / "rotary_tables.c", _CSRC / "gemm_f32.c")

@@ -19,6 +19,7 @@ import torch
 
 from deterministic_inference.errors import DetinfError
 from deterministic_inference.ops.native import NativeKernels, native_kernels
+from deterministic_inference.ops.repack import Q4_0_X16, repacked
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,14 @@ def block_format(ggml_type: int | str) -> BlockFormat:
 
 
 class QuantizedWeight:
-    """An [N, K] weight as stored: `data` uint8 [N, row_bytes], rows of `fmt` blocks; no float copy."""
+    """An [N, K] weight as stored: `data` uint8 [N, row_bytes], rows of `fmt` blocks; no float copy.
 
-    def __init__(self, data: torch.Tensor, fmt: BlockFormat, shape: tuple[int, int]) -> None:
+    `file_mapped`: `data` is a view on a model file's private map, whose pages may be given back to the
+    page cache once a repacked copy replaces them (ops/repack.py); never set it for memory of its own."""
+
+    def __init__(
+        self, data: torch.Tensor, fmt: BlockFormat, shape: tuple[int, int], *, file_mapped: bool = False
+    ) -> None:
         out_features, in_features = shape
         if in_features <= 0 or in_features % fmt.block_values:
             raise ValueError(
@@ -88,6 +94,7 @@ class QuantizedWeight:
         self.data = data
         self.fmt = fmt
         self.shape = (out_features, in_features)
+        self.file_mapped = file_mapped
 
     @property
     def row_bytes(self) -> int:
@@ -159,6 +166,8 @@ class QuantLinear:
     """y = x W^T (+ b), W the `parts` stacked by rows (each in its own block format), one C call.
 
     `row_orders[p]` (int64 [N_p], or None): output column j of part p reads stored row row_orders[p][j].
+    Parts in a format this build reads faster repacked are copied once into that layout (ops/repack.py;
+    the same bits).
     Bits: each output is the fixed float sequence of csrc/quant.h over its own activation row and weight
     row, so a row's result does not depend on M, its position, its neighbours or the thread count.
     """
@@ -171,6 +180,7 @@ class QuantLinear:
         bias: torch.Tensor | None,  # [N], any float dtype (kept as fp32)
         out_dtype: torch.dtype,
         row_orders: Sequence[torch.Tensor | None] | None = None,
+        repack: bool = True,
     ) -> None:
         if not parts or not all(isinstance(part, QuantizedWeight) for part in parts):
             raise ValueError("QuantLinear: parts must be one or more QuantizedWeight")
@@ -185,20 +195,31 @@ class QuantLinear:
         self.bias = _checked_bias(bias, self.out_features)
         self.parts = tuple(parts)
         self.row_orders = _checked_row_orders(row_orders, self.parts)
-        self._table = (_Part * len(parts))(
-            *(
-                _Part(
-                    part.data.data_ptr(),
-                    None if order is None else order.data_ptr(),
-                    part.shape[0],
-                    part.row_bytes,
-                    part.fmt.ggml_type,
-                )  # fmt: skip
-                for part, order in zip(self.parts, self.row_orders, strict=True)
-            )
-        )
+        self._repacked: list[torch.Tensor] = []  # kept alive: the table points into them
+        entries = [
+            self._part_entry(kernels, part, order, repack)
+            for part, order in zip(self.parts, self.row_orders, strict=True)
+        ]
+        self._table = (_Part * len(parts))(*entries)
         self._gemm = _library(kernels).detinf_quant_gemm
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
+
+    def _part_entry(
+        self, kernels: NativeKernels, part: QuantizedWeight, order: torch.Tensor | None, repack: bool
+    ) -> _Part:
+        """The C table's entry for one part: repacked where this build reads the format faster so
+        (`repack=False`: as stored, for tests comparing both layouts), else the stored rows."""
+        data = repacked(kernels, part, order) if repack else None
+        if data is not None:
+            self._repacked.append(data)
+            return _Part(data.data_ptr(), None, part.shape[0], part.row_bytes, Q4_0_X16)
+        order_ptr = None if order is None else order.data_ptr()
+        return _Part(part.data.data_ptr(), order_ptr, part.shape[0], part.row_bytes, part.fmt.ggml_type)
+
+    @property
+    def repacked_parts(self) -> int:
+        """How many parts the GEMM reads repacked (ops/repack.py)."""
+        return len(self._repacked)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] bf16 or fp32 -> [M, N] in out_dtype."""

@@ -1,0 +1,87 @@
+"""Quantized weights repacked once at load for the kernels that read them faster so (csrc/quant_repack.c).
+
+Which formats a build repacks is the compiled library's own answer (`detinf_quant_repacks`: Q4_0 on
+AVX-512 builds, whose few-row GEMM otherwise transposes 16 rows' blocks on every call), so the layout a
+GEMM reads always matches the code reading it. Repacking moves integers only: every output keeps the
+bits of the stored layout, which builds that do not repack read (csrc/quant_repack.c says why).
+
+Memory: the repacked copy is as large as the stored tensor. When the stored tensor is a view on the
+model file's private map, its pages are given back (MADV_DONTNEED) chunk by chunk as they are repacked,
+so resident memory stays near the file size. Nothing writes that map, so a page given back still reads
+as the file's bytes: the embedding lookup of a tied output head faults the rows it needs back in from
+the page cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+from typing import TYPE_CHECKING
+
+import torch
+
+from deterministic_inference.ops.native import NativeKernels
+
+if TYPE_CHECKING:
+    from deterministic_inference.ops.quant import QuantizedWeight
+
+Q4_0_X16 = 102  # csrc/quant.h: Q4_0 in 16-column panels (not a ggml type id)
+PANEL_COLUMNS = 16
+_CHUNK_COLUMNS = 4096  # columns repacked between two page releases (~4.5 MiB of a 2048-wide Q4_0 part)
+
+
+def repacked(
+    kernels: NativeKernels,
+    weight: QuantizedWeight,
+    order: torch.Tensor | None,  # [N] int64: output column j reads stored row order[j]; None = identity
+) -> torch.Tensor | None:
+    """The weight in the layout this build reads faster (uint8, as large as `weight.data`; output
+    columns in order, so no row order is needed any more), or None when the build reads it as stored.
+    A file-mapped weight's pages are given back as they are repacked."""
+    library = _library(kernels)
+    rows, row_bytes = weight.shape[0], weight.row_bytes
+    if rows % PANEL_COLUMNS or not library.detinf_quant_repacks(weight.fmt.ggml_type):
+        return None
+    out = torch.empty_like(weight.data)  # [N, row_bytes] = N / 16 panels of 16 * row_bytes
+    order_ptr = None if order is None else order.data_ptr()
+    for first in range(0, rows, _CHUNK_COLUMNS):
+        count = min(_CHUNK_COLUMNS, rows - first)
+        library.detinf_repack_q4_0(weight.data.data_ptr(), order_ptr, row_bytes, first, count, out.data_ptr())
+        if weight.file_mapped and order is None:  # these stored rows are read by nothing else now
+            give_back_pages(weight.data[first : first + count])
+    if weight.file_mapped and order is not None:
+        give_back_pages(weight.data)
+    return out
+
+
+def give_back_pages(view: torch.Tensor) -> None:
+    """Drop the whole pages under a contiguous view on a file's private, never-written map from this
+    process's resident set (the bytes stay readable: a later read faults them back in from the file)."""
+    start = view.data_ptr()
+    end = start + view.numel() * view.element_size()
+    first_page = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last_page = end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last_page > first_page:
+        _libc().madvise(first_page, last_page - first_page, mmap.MADV_DONTNEED)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.restype = ctypes.c_int
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+@functools.cache
+def _library(kernels: NativeKernels) -> ctypes.CDLL:
+    """The kernels' library with the repacking entry points' C signatures declared (once per build)."""
+    library = kernels.library
+    library.detinf_quant_repacks.restype = ctypes.c_int
+    library.detinf_quant_repacks.argtypes = [ctypes.c_int64]
+    library.detinf_repack_q4_0.restype = None
+    library.detinf_repack_q4_0.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p
+    ]  # fmt: skip
+    return library

@@ -1,0 +1,109 @@
+"""Q4_0 repacked at load (ops/repack.py, csrc/quant_repack.c): the GEMM over the repacked copy gives the
+stored layout's bits for every row count, row order, part mix and thread count; a file-mapped weight's
+pages are given back while its bytes stay readable. Row, thread and build invariance of the repacked path
+run in test_quant_invariance.py (its Q4_0 cases are repacked on builds that repack)."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import pytest
+import torch
+
+from deterministic_inference.ops.native import NativeKernels
+from deterministic_inference.ops.quant import QuantizedWeight, QuantLinear
+from deterministic_inference.ops.quant_probe import random_weight
+from deterministic_inference.ops.repack import _library
+from tests.ops.helpers import bits, num_threads
+from tests.ops.quant_reference import documented_output
+
+K = 1280  # 40 blocks: 2.5 chunks of 16 units (the many-row path's last chunk is partial)
+
+
+@pytest.fixture(scope="module")
+def repacking(kernels: NativeKernels) -> NativeKernels:
+    """The default build; these tests need one that repacks Q4_0 (the AVX-512 VNNI build)."""
+    if not _library(kernels).detinf_quant_repacks(2):
+        pytest.skip("this build reads Q4_0 as stored (no AVX-512 VNNI)")
+    return kernels
+
+
+def _parts(seed: int) -> tuple[list[QuantizedWeight], list[torch.Tensor | None]]:
+    """q/k/v-like parts: Q4_0 through a row order, Q8_0, and Q4_0 of 48 rows (a panel of one half)."""
+    generator = torch.Generator().manual_seed(seed)
+    parts = [random_weight(name, rows, K, generator) for name, rows in (("Q4_0", 64), ("Q8_0", 32), ("Q4_0", 48))]
+    orders: list[torch.Tensor | None] = [torch.randperm(64, generator=generator), None, None]
+    return parts, orders
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_repacked_parts_give_the_stored_bits(repacking: NativeKernels, out_dtype: torch.dtype) -> None:
+    parts, orders = _parts(seed=3)
+    bias = torch.randn(144, generator=torch.Generator().manual_seed(4))
+    repacked = QuantLinear(repacking, parts, bias=bias, out_dtype=out_dtype, row_orders=orders)
+    stored = QuantLinear(repacking, parts, bias=bias, out_dtype=out_dtype, row_orders=orders, repack=False)
+    assert (repacked.repacked_parts, stored.repacked_parts) == (2, 0)
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(5)).bfloat16()
+    for threads in (1, 2):
+        with num_threads(threads):
+            for rows in (1, 2, 3, 4, 5, 9):  # 1..4: the fused few-row path; more: the unpacking path
+                assert torch.equal(bits(repacked(x[:rows])), bits(stored(x[:rows]))), (threads, rows)
+
+
+def test_repacked_q4_0_is_the_documented_sequence(repacking: NativeKernels) -> None:
+    weight = random_weight("Q4_0", 80, K, torch.Generator().manual_seed(6))
+    x = torch.randn(6, K, generator=torch.Generator().manual_seed(7))
+    linear = QuantLinear(repacking, [weight], bias=None, out_dtype=torch.float32)
+    assert linear.repacked_parts == 1
+    for rows in (1, 4, 6):
+        assert torch.equal(bits(linear(x[:rows])), bits(documented_output(x[:rows], weight, None))), rows
+
+
+def test_negative_control_a_damaged_repacked_copy_is_detected(repacking: NativeKernels) -> None:
+    """The comparison above can fail: one scale of the repacked copy changed shows in both paths."""
+    parts, orders = _parts(seed=3)
+    repacked = QuantLinear(repacking, parts, bias=None, out_dtype=torch.float32, row_orders=orders)
+    stored = QuantLinear(repacking, parts, bias=None, out_dtype=torch.float32, row_orders=orders, repack=False)
+    repacked._repacked[0][0, 0] ^= 0x01  # the lowest bit of block 0's scale of the first column
+    x = torch.randn(6, K, generator=torch.Generator().manual_seed(5))
+    for rows in (1, 6):
+        assert not torch.equal(bits(repacked(x[:rows])), bits(stored(x[:rows]))), rows
+
+
+def _resident_kib(address: int) -> int:
+    """Rss of the mapping of this process that contains `address` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for index, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            start, end = (int(part, 16) for part in head.split("-"))
+            if start <= address < end:
+                rss = next(entry for entry in lines[index + 1 :] if entry.startswith("Rss:"))
+                return int(rss.split()[1])
+    raise AssertionError("no mapping holds the address")
+
+
+def test_a_file_mapped_weight_gives_its_pages_back_and_stays_readable(
+    repacking: NativeKernels, tmp_path: Path
+) -> None:
+    weight = random_weight("Q4_0", 4096, 2048, torch.Generator().manual_seed(8))  # 4.5 MiB
+    path = tmp_path / "weights.bin"
+    path.write_bytes(weight.data.numpy().tobytes())
+    with open(path, "rb") as handle:
+        region = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)  # as the GGUF loader maps files
+    data = torch.frombuffer(region, dtype=torch.uint8).view(weight.data.shape)
+    mapped = QuantizedWeight(data, weight.fmt, weight.shape, file_mapped=True)
+    assert int(data.sum()) == int(weight.data.sum())  # every page read: resident
+    before = _resident_kib(data.data_ptr())
+    linear = QuantLinear(repacking, [mapped], bias=None, out_dtype=torch.float32)
+    after = _resident_kib(data.data_ptr())
+    assert before >= 4500 and after <= 64, (before, after)
+    assert torch.equal(data, weight.data)  # the bytes read back from the file
+    rows = torch.tensor([0, 17, 4095])
+    assert torch.equal(bits(mapped.dequantize(rows)), bits(weight.dequantize(rows)))  # a tied embedding
+    x = torch.randn(2, 2048, generator=torch.Generator().manual_seed(9))
+    reference = QuantLinear(repacking, [weight], bias=None, out_dtype=torch.float32, repack=False)
+    assert torch.equal(bits(linear(x)), bits(reference(x)))
+    own = QuantLinear(repacking, [weight], bias=None, out_dtype=torch.float32)  # not file-mapped: kept
+    assert own.repacked_parts == 1 and int(weight.data.sum()) == int(data.sum())

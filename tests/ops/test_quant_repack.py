@@ -32,7 +32,8 @@ def repacking(kernels: NativeKernels) -> NativeKernels:
 def _parts(seed: int) -> tuple[list[QuantizedWeight], list[torch.Tensor | None]]:
     """q/k/v-like parts: Q4_0 through a row order, Q8_0, and Q4_0 of 48 rows (a panel of one half)."""
     generator = torch.Generator().manual_seed(seed)
-    parts = [random_weight(name, rows, K, generator) for name, rows in (("Q4_0", 64), ("Q8_0", 32), ("Q4_0", 48))]
+    shapes = (("Q4_0", 64), ("Q8_0", 32), ("Q4_0", 48))
+    parts = [random_weight(name, rows, K, generator) for name, rows in shapes]
     orders: list[torch.Tensor | None] = [torch.randperm(64, generator=generator), None, None]
     return parts, orders
 
@@ -63,8 +64,9 @@ def test_repacked_q4_0_is_the_documented_sequence(repacking: NativeKernels) -> N
 def test_negative_control_a_damaged_repacked_copy_is_detected(repacking: NativeKernels) -> None:
     """The comparison above can fail: one scale of the repacked copy changed shows in both paths."""
     parts, orders = _parts(seed=3)
-    repacked = QuantLinear(repacking, parts, bias=None, out_dtype=torch.float32, row_orders=orders)
-    stored = QuantLinear(repacking, parts, bias=None, out_dtype=torch.float32, row_orders=orders, repack=False)
+    fp32 = torch.float32
+    repacked = QuantLinear(repacking, parts, bias=None, out_dtype=fp32, row_orders=orders)
+    stored = QuantLinear(repacking, parts, bias=None, out_dtype=fp32, row_orders=orders, repack=False)
     repacked._repacked[0][0, 0] ^= 0x01  # the lowest bit of block 0's scale of the first column
     x = torch.randn(6, K, generator=torch.Generator().manual_seed(5))
     for rows in (1, 6):

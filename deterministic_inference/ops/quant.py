@@ -19,7 +19,7 @@ import torch
 
 from deterministic_inference.errors import DetinfError
 from deterministic_inference.ops.native import NativeKernels, native_kernels
-from deterministic_inference.ops.repack import Q4_0_X16, repacked
+from deterministic_inference.ops.repack import X16, repacked
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,7 @@ class QuantLinear:
         data = repacked(kernels, part, order) if repack else None
         if data is not None:
             self._repacked.append(data)
-            return _Part(data.data_ptr(), None, part.shape[0], part.row_bytes, Q4_0_X16)
+            return _Part(data.data_ptr(), None, part.shape[0], part.row_bytes, part.fmt.ggml_type + X16)
         order_ptr = None if order is None else order.data_ptr()
         return _Part(part.data.data_ptr(), order_ptr, part.shape[0], part.row_bytes, part.fmt.ggml_type)
 

@@ -1,8 +1,8 @@
 """Quantized weights repacked once at load for the kernels that read them faster so (csrc/quant_repack.c).
 
-Which formats a build repacks is the compiled library's own answer (`detinf_quant_repacks`: Q4_0 on
-AVX-512 builds, whose few-row GEMM otherwise transposes 16 rows' blocks on every call), so the layout a
-GEMM reads always matches the code reading it. Repacking moves integers only: every output keeps the
+Which formats a build repacks is the compiled library's own answer (`detinf_quant_repacks`: Q4_0 and
+Q4_1 on AVX-512 builds, whose few-row GEMM otherwise transposes 16 rows' blocks on every call), so the
+layout a GEMM reads always matches the code reading it. Repacking moves integers only: every output keeps the
 bits of the stored layout, which builds that do not repack read (csrc/quant_repack.c says why).
 
 Memory: the repacked copy is as large as the stored tensor. When the stored tensor is a view on the
@@ -26,7 +26,7 @@ from deterministic_inference.ops.native import NativeKernels
 if TYPE_CHECKING:
     from deterministic_inference.ops.quant import QuantizedWeight
 
-Q4_0_X16 = 102  # csrc/quant.h: Q4_0 in 16-column panels (not a ggml type id)
+X16 = 100  # csrc/quant.h: a repacked format's id is its ggml type id + X16 (16-column panels)
 PANEL_COLUMNS = 16
 _CHUNK_COLUMNS = 4096  # columns repacked between two page releases (~4.5 MiB of a 2048-wide Q4_0 part)
 
@@ -40,14 +40,14 @@ def repacked(
     columns in order, so no row order is needed any more), or None when the build reads it as stored.
     A file-mapped weight's pages are given back as they are repacked."""
     library = _library(kernels)
-    rows, row_bytes = weight.shape[0], weight.row_bytes
-    if rows % PANEL_COLUMNS or not library.detinf_quant_repacks(weight.fmt.ggml_type):
+    rows, row_bytes, fmt = weight.shape[0], weight.row_bytes, weight.fmt.ggml_type
+    if rows % PANEL_COLUMNS or not library.detinf_quant_repacks(fmt):
         return None
     out = torch.empty_like(weight.data)  # [N, row_bytes] = N / 16 panels of 16 * row_bytes
     order_ptr = None if order is None else order.data_ptr()
     for first in range(0, rows, _CHUNK_COLUMNS):
         count = min(_CHUNK_COLUMNS, rows - first)
-        library.detinf_repack_q4_0(weight.data.data_ptr(), order_ptr, row_bytes, first, count, out.data_ptr())
+        library.detinf_repack(fmt, weight.data.data_ptr(), order_ptr, row_bytes, first, count, out.data_ptr())
         if weight.file_mapped and order is None:  # these stored rows are read by nothing else now
             give_back_pages(weight.data[first : first + count])
     if weight.file_mapped and order is not None:
@@ -80,8 +80,9 @@ def _library(kernels: NativeKernels) -> ctypes.CDLL:
     library = kernels.library
     library.detinf_quant_repacks.restype = ctypes.c_int
     library.detinf_quant_repacks.argtypes = [ctypes.c_int64]
-    library.detinf_repack_q4_0.restype = None
-    library.detinf_repack_q4_0.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p
+    library.detinf_repack.restype = None
+    library.detinf_repack.argtypes = [
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+        ctypes.c_void_p,
     ]  # fmt: skip
     return library

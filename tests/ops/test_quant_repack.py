@@ -1,7 +1,8 @@
-"""Q4_0 repacked at load (ops/repack.py, csrc/quant_repack.c): the GEMM over the repacked copy gives the
-stored layout's bits for every row count, row order, part mix and thread count; a file-mapped weight's
-pages are given back while its bytes stay readable. Row, thread and build invariance of the repacked path
-run in test_quant_invariance.py (its Q4_0 cases are repacked on builds that repack)."""
+"""Q4_0 and Q4_1 repacked at load (ops/repack.py, csrc/quant_repack.c): the GEMM over the repacked copy
+gives the stored layout's bits for every row count, row order, part mix and thread count; a file-mapped
+weight's pages are given back while its bytes stay readable. Row, thread and build invariance of the
+repacked path run in test_quant_invariance.py (its Q4_0 / Q4_1 cases are repacked on builds that
+repack)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from deterministic_inference.ops.native import NativeKernels
-from deterministic_inference.ops.quant import QuantizedWeight, QuantLinear
+from deterministic_inference.ops.quant import FORMATS, QuantizedWeight, QuantLinear
 from deterministic_inference.ops.quant_probe import random_weight
 from deterministic_inference.ops.repack import _library
 from tests.ops.helpers import bits, num_threads
@@ -23,28 +24,28 @@ K = 1280  # 40 blocks: 2.5 chunks of 16 units (the many-row path's last chunk is
 
 @pytest.fixture(scope="module")
 def repacking(kernels: NativeKernels) -> NativeKernels:
-    """The default build; these tests need one that repacks Q4_0 (the AVX-512 VNNI build)."""
-    if not _library(kernels).detinf_quant_repacks(2):
-        pytest.skip("this build reads Q4_0 as stored (no AVX-512 VNNI)")
+    """The default build; these tests need one that repacks Q4_0 and Q4_1 (the AVX-512 VNNI build)."""
+    if not all(_library(kernels).detinf_quant_repacks(FORMATS[name].ggml_type) for name in ("Q4_0", "Q4_1")):
+        pytest.skip("this build reads Q4_0 and Q4_1 as stored (no AVX-512 VNNI)")
     return kernels
 
 
 def _parts(seed: int) -> tuple[list[QuantizedWeight], list[torch.Tensor | None]]:
-    """q/k/v-like parts: Q4_0 through a row order, Q8_0, and Q4_0 of 48 rows (a panel of one half)."""
+    """q/k/v-like parts: Q4_0 through a row order, Q8_0, Q4_1 of 48 rows (a panel of one half), Q4_0."""
     generator = torch.Generator().manual_seed(seed)
-    shapes = (("Q4_0", 64), ("Q8_0", 32), ("Q4_0", 48))
+    shapes = (("Q4_0", 64), ("Q8_0", 32), ("Q4_1", 48), ("Q4_0", 16))
     parts = [random_weight(name, rows, K, generator) for name, rows in shapes]
-    orders: list[torch.Tensor | None] = [torch.randperm(64, generator=generator), None, None]
+    orders: list[torch.Tensor | None] = [torch.randperm(64, generator=generator), None, None, None]
     return parts, orders
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_repacked_parts_give_the_stored_bits(repacking: NativeKernels, out_dtype: torch.dtype) -> None:
     parts, orders = _parts(seed=3)
-    bias = torch.randn(144, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(160, generator=torch.Generator().manual_seed(4))
     repacked = QuantLinear(repacking, parts, bias=bias, out_dtype=out_dtype, row_orders=orders)
     stored = QuantLinear(repacking, parts, bias=bias, out_dtype=out_dtype, row_orders=orders, repack=False)
-    assert (repacked.repacked_parts, stored.repacked_parts) == (2, 0)
+    assert (repacked.repacked_parts, stored.repacked_parts) == (3, 0)
     x = torch.randn(9, K, generator=torch.Generator().manual_seed(5)).bfloat16()
     for threads in (1, 2):
         with num_threads(threads):
@@ -52,8 +53,9 @@ def test_repacked_parts_give_the_stored_bits(repacking: NativeKernels, out_dtype
                 assert torch.equal(bits(repacked(x[:rows])), bits(stored(x[:rows]))), (threads, rows)
 
 
-def test_repacked_q4_0_is_the_documented_sequence(repacking: NativeKernels) -> None:
-    weight = random_weight("Q4_0", 80, K, torch.Generator().manual_seed(6))
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+def test_repacked_parts_are_the_documented_sequence(repacking: NativeKernels, name: str) -> None:
+    weight = random_weight(name, 80, K, torch.Generator().manual_seed(6))
     x = torch.randn(6, K, generator=torch.Generator().manual_seed(7))
     linear = QuantLinear(repacking, [weight], bias=None, out_dtype=torch.float32)
     assert linear.repacked_parts == 1
@@ -61,13 +63,21 @@ def test_repacked_q4_0_is_the_documented_sequence(repacking: NativeKernels) -> N
         assert torch.equal(bits(linear(x[:rows])), bits(documented_output(x[:rows], weight, None))), rows
 
 
-def test_negative_control_a_damaged_repacked_copy_is_detected(repacking: NativeKernels) -> None:
-    """The comparison above can fail: one scale of the repacked copy changed shows in both paths."""
+@pytest.mark.parametrize(
+    ("part", "byte"),
+    [(0, 0), (1, 2 * (K // 32) * 16 + 2)],  # Q4_0: block 0's scale, column 0; Q4_1: block 0's min, column 1
+    ids=["q4_0-scale", "q4_1-min"],
+)
+def test_negative_control_a_damaged_repacked_copy_is_detected(
+    repacking: NativeKernels, part: int, byte: int
+) -> None:
+    """The comparison above can fail: one bit of one field of the repacked copy changed shows in both
+    paths (fused few-row and unpacking)."""
     parts, orders = _parts(seed=3)
     fp32 = torch.float32
     repacked = QuantLinear(repacking, parts, bias=None, out_dtype=fp32, row_orders=orders)
     stored = QuantLinear(repacking, parts, bias=None, out_dtype=fp32, row_orders=orders, repack=False)
-    repacked._repacked[0][0, 0] ^= 0x01  # the lowest bit of block 0's scale of the first column
+    repacked._repacked[part].view(-1)[byte] ^= 0x01  # the field's lowest mantissa bit
     x = torch.randn(6, K, generator=torch.Generator().manual_seed(5))
     for rows in (1, 6):
         assert not torch.equal(bits(repacked(x[:rows])), bits(stored(x[:rows]))), rows

@@ -78,18 +78,19 @@ static int reversed_blocks(const gemm_call *call) {
     return (call->flags & QTEST_REVERSE) || ((call->flags & QTEST_REVERSE_ODD) && omp_get_thread_num() % 2);
 }
 
-/* compute_panel for a repacked Q4_0 part (quant_repack.c): its 16-column panels follow each other, the
-   panel of output column j (a multiple of 16) at j * row_bytes; the same operations as Q4_0. */
+/* compute_panel for a repacked part (quant_repack.c): its 16-column panels follow each other, the panel of
+   output column j (a multiple of 16) at j * row_bytes; the same operations as the stored format. */
 static void compute_panel_x16(const gemm_call *call, const detinf_qpart *part, const panel_ref *ref, workspace *ws) {
     const int64_t cols = part->cols - ref->first_col < ACC_COLS ? part->cols - ref->first_col : ACC_COLS;
     const int halves = cols > QCOLS ? 2 : 1;
     const uint8_t *panel = part->data + ref->first_col * part->row_bytes;
     const int64_t half_bytes = QCOLS * part->row_bytes, units = call->x32->k / UNIT;
     const int reverse = reversed_blocks(call);
+    const int64_t format = part->format - X16;
 #if defined(DETINF_Q_AVX512)
     if (call->m <= FUSED_ROWS && !reverse) { /* few rows: blocks multiplied as they are read */
         for (int h = 0; h < halves; h++)
-            fused_q4_0_x16_avx512(panel + h * half_bytes, call->x32, call->m, ws->acc + h * QCOLS);
+            fused_x16_avx512(format, panel + h * half_bytes, call->x32, call->m, ws->acc + h * QCOLS);
         store_panel(call, ws->acc, ref->out_col, cols);
         return;
     }
@@ -99,14 +100,14 @@ static void compute_panel_x16(const gemm_call *call, const detinf_qpart *part, c
     for (int64_t i = 0; i < chunks; i++) {
         const int64_t u0 = (reverse ? chunks - 1 - i : i) * CHUNK_UNITS;
         const int64_t count = units - u0 < CHUNK_UNITS ? units - u0 : CHUNK_UNITS;
-        for (int h = 0; h < halves; h++) unpack_q4_0_x16(panel + h * half_bytes, units, u0, count, &ws->halves[h]);
-        kernel_rows(Q4_0, call->x32, 0, call->m, u0, count, ws->halves, halves, ws->acc);
+        for (int h = 0; h < halves; h++) unpack_x16(format, panel + h * half_bytes, units, u0, count, &ws->halves[h]);
+        kernel_rows(format, call->x32, 0, call->m, u0, count, ws->halves, halves, ws->acc);
     }
     store_panel(call, ws->acc, ref->out_col, cols);
 }
 
 static void compute_panel(const gemm_call *call, const detinf_qpart *part, const panel_ref *ref, workspace *ws) {
-    if (part->format == Q4_0_X16) {
+    if (part->format == Q4_0_X16 || part->format == Q4_1_X16) {
         compute_panel_x16(call, part, ref, ws);
         return;
     }

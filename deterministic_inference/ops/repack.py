@@ -43,7 +43,7 @@ def repacked(
     rows, row_bytes, fmt = weight.shape[0], weight.row_bytes, weight.fmt.ggml_type
     if rows % PANEL_COLUMNS or not library.detinf_quant_repacks(fmt):
         return None
-    out = torch.empty_like(weight.data)  # [N, row_bytes] = N / 16 panels of 16 * row_bytes
+    out = _huge_page_buffer(weight.data.numel()).view(weight.data.shape)  # N / 16 panels of 16 * row_bytes
     order_ptr = None if order is None else order.data_ptr()
     for first in range(0, rows, _CHUNK_COLUMNS):
         count = min(_CHUNK_COLUMNS, rows - first)
@@ -53,6 +53,17 @@ def repacked(
     if weight.file_mapped and order is not None:
         give_back_pages(weight.data)
     return out
+
+
+def _huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] of fresh anonymous memory the kernel may back with 2 MiB pages (THP in `madvise`
+    mode): one thread streaming a GEMV from it reads ~10% faster than from 4 KiB pages (fewer TLB misses).
+    Only whole 2 MiB ranges inside it become huge pages, so no more memory is resident than with 4 KiB."""
+    size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes)  # the tensor keeps the map alive
 
 
 def give_back_pages(view: torch.Tensor) -> None:

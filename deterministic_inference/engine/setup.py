@@ -16,6 +16,7 @@ from deterministic_inference.model.loader import LoadedModel
 from deterministic_inference.model.quantization import apply_quantization
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.native import native_kernels
+from deterministic_inference.ops.repack import give_back_superseded
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -91,7 +92,9 @@ def build_model(
         # refuse now (NativeBuildError, one line) rather than fail the first sampled token.
         native_kernels()
     weights = apply_quantization(loaded.weights, config.quantization, numerics.dtype)
-    return DecoderModel(loaded.spec, weights, numerics, max_model_len)
+    model = DecoderModel(loaded.spec, weights, numerics, max_model_len)
+    give_back_superseded(weights.values())
+    return model
 
 
 def choose_num_kv_blocks(config: EngineConfig, spec: ModelSpec, max_model_len: int, dtype_name: str) -> int:

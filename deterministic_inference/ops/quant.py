@@ -95,6 +95,7 @@ class QuantizedWeight:
         self.fmt = fmt
         self.shape = (out_features, in_features)
         self.file_mapped = file_mapped
+        self.superseded = False  # a repacked copy replaced it for the GEMM (ops/repack.py)
 
     @property
     def row_bytes(self) -> int:

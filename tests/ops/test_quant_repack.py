@@ -15,7 +15,8 @@ import torch
 from deterministic_inference.ops.native import NativeKernels
 from deterministic_inference.ops.quant import FORMATS, QuantizedWeight, QuantLinear
 from deterministic_inference.ops.quant_probe import random_weight
-from deterministic_inference.ops.repack import _library
+from deterministic_inference.ops.repack import _library, give_back_superseded
+from deterministic_inference.ops.weights import RowOrdered
 from tests.ops.helpers import bits, num_threads
 from tests.ops.quant_reference import documented_output
 
@@ -119,3 +120,25 @@ def test_a_file_mapped_weight_gives_its_pages_back_and_stays_readable(
     assert torch.equal(bits(linear(x)), bits(reference(x)))
     own = QuantLinear(repacking, [weight], bias=None, out_dtype=torch.float32)  # not file-mapped: kept
     assert own.repacked_parts == 1 and int(weight.data.sum()) == int(data.sum())
+
+
+def test_pages_read_again_after_repacking_are_given_back_once_the_model_is_built(
+    repacking: NativeKernels, tmp_path: Path
+) -> None:
+    """Faulting in a neighbour maps pages of a repacked tensor back in; give_back_superseded (called by
+    the engine once every linear is built) drops them again, and only from repacked file-mapped
+    weights (expert stacks included)."""
+    weight = random_weight("Q4_0", 4096, 2048, torch.Generator().manual_seed(10))
+    path = tmp_path / "weights.bin"
+    path.write_bytes(weight.data.numpy().tobytes())
+    with open(path, "rb") as handle:
+        region = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    data = torch.frombuffer(region, dtype=torch.uint8).view(weight.data.shape)
+    mapped = QuantizedWeight(data, weight.fmt, weight.shape, file_mapped=True)
+    QuantLinear(repacking, [mapped], bias=None, out_dtype=torch.float32)
+    assert mapped.superseded and not weight.superseded  # only file-mapped weights are marked
+    assert int(data.sum()) == int(weight.data.sum())  # read again: resident
+    assert _resident_kib(data.data_ptr()) >= 4500
+    give_back_superseded([(mapped,), RowOrdered(weight, torch.arange(4096))])
+    assert _resident_kib(data.data_ptr()) <= 64
+    assert torch.equal(data, weight.data)

@@ -78,7 +78,7 @@ class EngineConfig:
         "q4_k+q6_k") plus a digest of the whole per-tensor map, so a file whose formats differ per layer
         cannot share a fingerprint with another mix."""
         from deterministic_inference.ops import OPS_REVISION
-        from deterministic_inference.ops.native import source_digest
+        from deterministic_inference.ops.native_build import source_digest
 
         numerics: dict[str, Any] = {
             "ops_revision": OPS_REVISION,

@@ -100,7 +100,7 @@ def isa_selection(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     ($DETINF_KERNEL_MARCH). Informational in portable numerics; part of the numerics otherwise."""
     import torch
 
-    from deterministic_inference.ops.native import MARCH_ENV
+    from deterministic_inference.ops.native_build import MARCH_ENV
 
     env = dict(os.environ) if environ is None else environ
     return {

@@ -23,7 +23,7 @@ from typing import TypeAlias
 
 import torch
 
-from deterministic_inference.ops.native import NativeBuildError
+from deterministic_inference.ops.native_build import NativeBuildError
 from deterministic_inference.ops.quant import QuantizedWeight
 
 

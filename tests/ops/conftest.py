@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from deterministic_inference.ops.native import ISA_FLAGS, NativeKernels, build, load
+from deterministic_inference.ops.native import NativeKernels, load
+from deterministic_inference.ops.native_build import ISA_FLAGS, build
 
 
 @pytest.fixture(scope="session")

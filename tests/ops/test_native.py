@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from deterministic_inference.ops import native
+from deterministic_inference.ops import native_build
 from deterministic_inference.ops.attention import (
     AttentionMetadata,
     new_kv_cache,
@@ -26,7 +26,8 @@ from deterministic_inference.ops.attention import (
     sequence_kv,
     write_kv,
 )
-from deterministic_inference.ops.native import ISA_FLAGS, NativeBuildError, NativeKernels, build, load
+from deterministic_inference.ops.native import NativeKernels, load
+from deterministic_inference.ops.native_build import ISA_FLAGS, NativeBuildError, build
 from tests.ops.helpers import HEAD_DIM, HEADS, KV_HEADS, TINY_HEAD_DIM, TINY_HEADS, TINY_KV_HEADS, bits
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -227,22 +228,22 @@ def test_every_row_alone_equals_one_call(kernels: NativeKernels) -> None:
 
 
 def test_no_compiler_names_gcc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(native.shutil, "which", lambda *_: None)
+    monkeypatch.setattr(native_build.shutil, "which", lambda *_: None)
     with pytest.raises(NativeBuildError, match="gcc"):
         build(ISA_FLAGS, tmp_path)
 
 
 def test_cc_is_honoured_and_a_missing_cc_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CC", "gcc")
-    assert native.compiler() == "gcc"
+    assert native_build.compiler() == "gcc"
     monkeypatch.setenv("CC", "no-such-compiler-detinf")
-    assert native.compiler() in ("cc", "gcc")
+    assert native_build.compiler() in ("cc", "gcc")
 
 
 def test_source_that_fails_to_compile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     broken = tmp_path / "broken.c"
     broken.write_text("int detinf_attention(void) { return undeclared_name; }\n")
-    monkeypatch.setattr(native, "SOURCES", (*native.SOURCES, broken))
+    monkeypatch.setattr(native_build, "SOURCES", (*native_build.SOURCES, broken))
     out_dir = tmp_path / "builds"
     with pytest.raises(NativeBuildError, match="failed"):
         build(ISA_FLAGS, out_dir)
@@ -346,7 +347,7 @@ def test_second_build_reuses_the_library(
         commands.append(command)
         return real_run(command, **kwargs)
 
-    monkeypatch.setattr(native.subprocess, "run", recording_run)
+    monkeypatch.setattr(native_build.subprocess, "run", recording_run)
     assert build(ISA_FLAGS, build_dir) == kernels.path
     assert commands, "the recorder saw no command (not even the compiler's --version)"
     assert kernels.path.stat().st_mtime_ns == before
@@ -359,16 +360,16 @@ def test_library_name_depends_on_flags_and_source(
     other = build((*ISA_FLAGS, "-DDETINF_TEST_FLAG=1"), build_dir)
     assert other != kernels.path and other.exists()
     assert kernels.digest == kernels.path.stem.removeprefix("attention-")
-    source_digest = native.source_digest()
-    joined = b"\0".join(path.read_bytes() for path in (*native.SOURCES, *native.HEADERS))
+    source_digest = native_build.source_digest()
+    joined = b"\0".join(path.read_bytes() for path in (*native_build.SOURCES, *native_build.HEADERS))
     assert source_digest == hashlib.sha256(joined).hexdigest()[:16]
     changed = tmp_path / "attention.c"
-    changed.write_bytes(native.SOURCES[0].read_bytes() + b"\n/* changed */\n")
-    monkeypatch.setattr(native, "SOURCES", (changed, *native.SOURCES[1:]))
-    assert native.source_digest() != source_digest
+    changed.write_bytes(native_build.SOURCES[0].read_bytes() + b"\n/* changed */\n")
+    monkeypatch.setattr(native_build, "SOURCES", (changed, *native_build.SOURCES[1:]))
+    assert native_build.source_digest() != source_digest
     assert build(ISA_FLAGS, build_dir).name not in (kernels.path.name, other.name)
 
 
 def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("DETINF_CACHE_DIR", str(tmp_path))
-    assert native.cache_dir() == tmp_path / "native"
+    assert native_build.cache_dir() == tmp_path / "native"

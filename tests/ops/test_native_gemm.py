@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deterministic_inference.ops.native import NativeKernels, build, load, packed_numel
+from deterministic_inference.ops.native import NativeKernels, load, packed_numel
+from deterministic_inference.ops.native_build import build
 from tests.ops.helpers import HIDDEN, INTER, bits
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")

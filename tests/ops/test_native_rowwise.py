@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache, write_kv
 from deterministic_inference.ops.backend import NativeBackend, Numerics
-from deterministic_inference.ops.native import ISA_FLAGS, NativeKernels, build, load
+from deterministic_inference.ops.native import NativeKernels, load
+from deterministic_inference.ops.native_build import ISA_FLAGS, build
 from deterministic_inference.ops.norm import rms_norm
 from deterministic_inference.ops.probes import norm_fn, rotary_fn
 from deterministic_inference.ops.rope import RotaryTable

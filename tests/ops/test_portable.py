@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from deterministic_inference.ops import native, portable
+from deterministic_inference.ops import native_build, portable
 from deterministic_inference.ops.backend import NativeBackend, Numerics
-from deterministic_inference.ops.native import NativeBuildError, NativeKernels, build, load
+from deterministic_inference.ops.native import NativeKernels, load
+from deterministic_inference.ops.native_build import NativeBuildError, build
 from deterministic_inference.ops.selfcheck import torch_threads
 from tests.ops.helpers import bits
 
@@ -159,13 +160,13 @@ def test_bad_inputs_are_refused(kernels: NativeKernels) -> None:
 
 
 def test_kernel_march_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
-    assert native.isa_flags() == ("-march=x86-64-v3",)
-    monkeypatch.delenv(native.MARCH_ENV)
-    assert native.isa_flags() == ("-march=native",)
-    monkeypatch.setenv(native.MARCH_ENV, "pentium4")
+    monkeypatch.setenv(native_build.MARCH_ENV, "x86-64-v3")
+    assert native_build.isa_flags() == ("-march=x86-64-v3",)
+    monkeypatch.delenv(native_build.MARCH_ENV)
+    assert native_build.isa_flags() == ("-march=native",)
+    monkeypatch.setenv(native_build.MARCH_ENV, "pentium4")
     with pytest.raises(NativeBuildError, match="DETINF_KERNEL_MARCH: 'pentium4' is not one of native"):
-        native.isa_flags()
+        native_build.isa_flags()
 
 
 def test_torch_log_softmax_switch_puts_torch_back(monkeypatch: pytest.MonkeyPatch) -> None:

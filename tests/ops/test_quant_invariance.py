@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deterministic_inference.ops.native import NativeKernels, build, load
+from deterministic_inference.ops.native import NativeKernels, load
+from deterministic_inference.ops.native_build import build
 from deterministic_inference.ops.quant import (
     FORMATS,
     TEST_BATCH_SCALE,

@@ -19,9 +19,11 @@ from tests.server.harness import (
     stop_process,
     subprocess_server,
     tiny_serve_args,
+    wait_for,
 )
 from tests.tiny_models import TinyModel
 
+READY = "detinf serve: ready: 1 replica(s) on Ray"
 RAY_IMPORT = re.compile(r"^import time:.*\|\s+ray(\.[\w.]+)?\s*$", re.MULTILINE)
 
 
@@ -56,10 +58,12 @@ def test_serve_replicas_cli(tiny_llama_dir: TinyModel, ray_cluster: str, tmp_pat
         bad = httpx.post(server.base_url + "/v1/completions", headers=server.headers(), timeout=30,
                          json={"model": TINY_NAME, "prompt": "x", "max_tokens": 0})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+        # the router answers before `serve` itself has polled it: wait for its ready line, then stop it
+        wait_for(lambda: READY in log.read_text(errors="replace"), timeout=60, interval=0.2)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=120) == 0
     text = log.read_text(errors="replace")
-    assert "detinf serve: ready: 1 replica(s) on Ray" in text
+    assert READY in text
     assert RAY_IMPORT.search(text)  # the detector sees Ray where it is imported (negative control)
     assert _applications() == []  # nothing left running on the shared cluster
 

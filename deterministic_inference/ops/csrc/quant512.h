@@ -53,6 +53,15 @@ INLINE void transpose32(const uint8_t *const *rows, int64_t off, __m512i *out) {
     transpose16(rows, off + 16, out + 4);
 }
 
+INLINE __m512i x_word(const int8_t *x) { /* 4 activation bytes broadcast to every lane */
+    int32_t word;
+    memcpy(&word, x, sizeof word);
+    return _mm512_set1_epi32(word);
+}
+
+/* int32 -> fp32, rounded to nearest even (exact below 2^24) */
+INLINE __m512 as_float(__m512i v) { return _mm512_cvt_roundepi32_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
 INLINE __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
 INLINE __m512i high_nibbles(__m512i v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
 

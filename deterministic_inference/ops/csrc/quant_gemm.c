@@ -74,54 +74,41 @@ static void panel_rows(const detinf_qpart *part, const panel_ref *ref, int64_t c
     }
 }
 
-static int reversed_blocks(const gemm_call *call) {
-    return (call->flags & QTEST_REVERSE) || ((call->flags & QTEST_REVERSE_ODD) && omp_get_thread_num() % 2);
-}
+/* Where a panel's weights come from: a repacked part's 16-column panels (quant_repack.c: the panel of
+   output column j, a multiple of 16, at j * row_bytes), or the stored rows its columns read. */
+typedef struct {
+    int64_t format;                /* the stored format (a repacked part's id less X16) */
+    const uint8_t *panel;          /* repacked: the panel's first half; stored: NULL */
+    const uint8_t *rows[ACC_COLS]; /* stored: the row each column reads */
+    int64_t half_bytes;            /* repacked: bytes of one 16-column half */
+} panel_source;
 
-/* compute_panel for a repacked part (quant_repack.c): its 16-column panels follow each other, the panel of
-   output column j (a multiple of 16) at j * row_bytes; the same operations as the stored format. */
-static void compute_panel_x16(const gemm_call *call, const detinf_qpart *part, const panel_ref *ref, workspace *ws) {
-    const int64_t cols = part->cols - ref->first_col < ACC_COLS ? part->cols - ref->first_col : ACC_COLS;
-    const int halves = cols > QCOLS ? 2 : 1;
-    const uint8_t *panel = part->data + ref->first_col * part->row_bytes;
-    const int64_t half_bytes = QCOLS * part->row_bytes, units = call->x32->k / UNIT;
-    const int reverse = reversed_blocks(call);
-    const int64_t format = part->format - X16;
-#if defined(DETINF_Q_AVX512)
-    if (call->m <= FUSED_ROWS && !reverse) { /* few rows: blocks multiplied as they are read */
-        for (int h = 0; h < halves; h++)
-            fused_x16_avx512(format, panel + h * half_bytes, call->x32, call->m, ws->acc + h * QCOLS);
-        store_panel(call, ws->acc, ref->out_col, cols);
-        return;
-    }
-#endif
-    const int64_t chunks = (units + CHUNK_UNITS - 1) / CHUNK_UNITS;
-    memset(ws->acc, 0, sizeof(float) * (size_t)(call->m * ACC_COLS)); /* acc = +0 */
-    for (int64_t i = 0; i < chunks; i++) {
-        const int64_t u0 = (reverse ? chunks - 1 - i : i) * CHUNK_UNITS;
-        const int64_t count = units - u0 < CHUNK_UNITS ? units - u0 : CHUNK_UNITS;
-        for (int h = 0; h < halves; h++) unpack_x16(format, panel + h * half_bytes, units, u0, count, &ws->halves[h]);
-        kernel_rows(format, call->x32, 0, call->m, u0, count, ws->halves, halves, ws->acc);
-    }
-    store_panel(call, ws->acc, ref->out_col, cols);
+static void unpack_half(const panel_source *src, int h, int64_t row_bytes, int64_t units, int64_t u0, int64_t count,
+                        qpanel *p) {
+    if (src->panel) unpack_x16(src->format, src->panel + h * src->half_bytes, units, u0, count, p);
+    else unpack_chunk(src->format, src->rows + h * QCOLS, row_bytes, u0, count, p);
 }
 
 static void compute_panel(const gemm_call *call, const detinf_qpart *part, const panel_ref *ref, workspace *ws) {
-    if (part->format == Q4_0_X16 || part->format == Q4_1_X16) {
-        compute_panel_x16(call, part, ref, ws);
-        return;
-    }
     const int64_t cols = part->cols - ref->first_col < ACC_COLS ? part->cols - ref->first_col : ACC_COLS;
     const int halves = cols > QCOLS ? 2 : 1;
-    const uint8_t *rows[ACC_COLS];
-    panel_rows(part, ref, cols, rows);
-    const xquant *xq = format_block_values(part->format) == SUPER ? call->x256 : call->x32;
+    panel_source src = {part->format, NULL, {NULL}, QCOLS * part->row_bytes};
+    if (part->format >= X16) {
+        src.format = part->format - X16;
+        src.panel = part->data + ref->first_col * part->row_bytes;
+    } else {
+        panel_rows(part, ref, cols, src.rows);
+    }
+    const xquant *xq = format_block_values(src.format) == SUPER ? call->x256 : call->x32;
     const int64_t units = xq->k / UNIT, chunks = (units + CHUNK_UNITS - 1) / CHUNK_UNITS;
-    const int reverse = reversed_blocks(call);
+    const int reverse = (call->flags & QTEST_REVERSE) || ((call->flags & QTEST_REVERSE_ODD) && omp_get_thread_num() % 2);
 #if defined(DETINF_Q_AVX512)
-    if (call->m <= FUSED_ROWS && !reverse) { /* few rows: blocks multiplied as they are unpacked */
-        for (int h = 0; h < halves; h++)
-            fused_half_avx512(part->format, rows + h * QCOLS, part->row_bytes, xq, call->m, ws->acc + h * QCOLS);
+    if (call->m <= FUSED_ROWS && !reverse) { /* few rows: blocks multiplied as they are read */
+        for (int h = 0; h < halves; h++) {
+            float *acc = ws->acc + h * QCOLS;
+            if (src.panel) fused_x16_avx512(src.format, src.panel + h * src.half_bytes, xq, call->m, acc);
+            else fused_half_avx512(src.format, src.rows + h * QCOLS, part->row_bytes, xq, call->m, acc);
+        }
         store_panel(call, ws->acc, ref->out_col, cols);
         return;
     }
@@ -131,9 +118,8 @@ static void compute_panel(const gemm_call *call, const detinf_qpart *part, const
         const int64_t chunk = reverse ? chunks - 1 - i : i;
         const int64_t u0 = chunk * CHUNK_UNITS;
         const int64_t count = units - u0 < CHUNK_UNITS ? units - u0 : CHUNK_UNITS;
-        for (int h = 0; h < halves; h++)
-            unpack_chunk(part->format, rows + h * QCOLS, part->row_bytes, u0, count, &ws->halves[h]);
-        kernel_rows(part->format, xq, 0, call->m, u0, count, ws->halves, halves, ws->acc);
+        for (int h = 0; h < halves; h++) unpack_half(&src, h, part->row_bytes, units, u0, count, &ws->halves[h]);
+        kernel_rows(src.format, xq, 0, call->m, u0, count, ws->halves, halves, ws->acc);
     }
     store_panel(call, ws->acc, ref->out_col, cols);
 }

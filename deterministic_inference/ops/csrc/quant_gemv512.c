@@ -8,14 +8,6 @@
 
 #if defined(DETINF_Q_AVX512)
 
-INLINE __m512i x_word(const int8_t *x) { /* 4 activation bytes broadcast to every lane */
-    int32_t word;
-    memcpy(&word, x, sizeof word);
-    return _mm512_set1_epi32(word);
-}
-
-INLINE __m512 as_float(__m512i v) { return _mm512_cvt_roundepi32_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-
 /* init + the exact dot products of groups g[0..groups) (16 columns) with the activation bytes x */
 INLINE __m512i dot_groups(__m512i init, const __m512i *g, const int8_t *x, int groups) {
     __m512i even = init, odd = _mm512_setzero_si512(); /* two chains, added exactly */

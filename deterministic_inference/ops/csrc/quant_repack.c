@@ -13,7 +13,7 @@
    ascending, the same operations), so a repacked part gives the stored part's bits; builds that do not
    repack (detinf_quant_repacks) read the stored layout and give the same bits too. */
 
-#include "quant.h"
+#include "quant512.h"
 
 #define X16_FIELD_BYTES 32 /* one fp16 field of one block, 16 columns */
 #define X16_QS_BYTES 256   /* one block's quant bytes, 16 columns x 16 */
@@ -74,13 +74,6 @@ void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0
 }
 
 #if defined(DETINF_Q_AVX512)
-#include <immintrin.h>
-
-static inline __m512i x16_word(const int8_t *x) { /* 4 activation bytes broadcast to every lane */
-    int32_t word;
-    memcpy(&word, x, sizeof word);
-    return _mm512_set1_epi32(word);
-}
 
 static inline __m512 x16_halves(const uint8_t *at) { /* 16 fp16 numbers as fp32 (exact) */
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
@@ -88,8 +81,7 @@ static inline __m512 x16_halves(const uint8_t *at) { /* 16 fp16 numbers as fp32 
 
 /* Rows [0, R) x one panel, every block; acc rows of ACC_COLS floats (quant.h's sequence for the format:
    acc = fmaf(d_b * dx_b, (float)isum_b, acc), then for Q4_1 acc = fmaf(m_b * dx_b, (float)sx_b, acc)). */
-static inline __attribute__((always_inline)) void fused_x16(const uint8_t *panel, const xquant *xq, const int R,
-                                                             const int has_min, float *acc) {
+INLINE void fused_x16(const uint8_t *panel, const xquant *xq, const int R, const int has_min, float *acc) {
     const int64_t k = xq->k, blocks = k / UNIT;
     const uint8_t *d = panel, *m = panel + X16_FIELD_BYTES * blocks;
     const uint8_t *qs = d + X16_FIELD_BYTES * (1 + has_min) * blocks;
@@ -121,13 +113,12 @@ static inline __attribute__((always_inline)) void fused_x16(const uint8_t *panel
             __m512i sum_high = _mm512_setzero_si512();
 #pragma GCC unroll 4
             for (int t = 0; t < 4; t++) {
-                sum_low = _mm512_dpbusd_epi32(sum_low, low[t], x16_word(x + 4 * t));
-                sum_high = _mm512_dpbusd_epi32(sum_high, high[t], x16_word(x + 16 + 4 * t));
+                sum_low = _mm512_dpbusd_epi32(sum_low, low[t], x_word(x + 4 * t));
+                sum_high = _mm512_dpbusd_epi32(sum_high, high[t], x_word(x + 16 + 4 * t));
             }
             const __m512i isum = _mm512_add_epi32(sum_low, _mm512_srai_epi32(sum_high, 4));
             const __m512 dx = _mm512_set1_ps(xq->d[r * blocks + b]);
-            const __m512 product = _mm512_cvt_roundepi32_ps(isum, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            f[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, dx), product, f[r]);
+            f[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, dx), as_float(isum), f[r]);
             if (has_min)
                 f[r] = _mm512_fmadd_ps(_mm512_mul_ps(min, dx), _mm512_set1_ps(xq->sf[r * blocks + b]), f[r]);
         }

@@ -23,8 +23,9 @@ time from the snapshot the engine thread publishes after each step (a collector,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -160,17 +161,17 @@ class _EngineCollector(Collector):
             yield info
 
 
-def _gauge(name: str, text: str, value: float, model: str | None = None) -> GaugeMetricFamily:
+_Family = TypeVar("_Family", GaugeMetricFamily, CounterMetricFamily)
+
+
+def _family(kind: type[_Family], name: str, text: str, value: float, model: str | None = None) -> _Family:
+    """One sample of a gauge or counter, labelled with the served model name when given."""
     if model is None:
-        return GaugeMetricFamily(name, text, value=value)
-    family = GaugeMetricFamily(name, text, labels=(MODEL_LABEL,))
+        return kind(name, text, value=value)
+    family = kind(name, text, labels=(MODEL_LABEL,))
     family.add_metric((model,), value)
     return family
 
 
-def _counter(name: str, text: str, value: float, model: str | None = None) -> CounterMetricFamily:
-    if model is None:
-        return CounterMetricFamily(name, text, value=value)
-    family = CounterMetricFamily(name, text, labels=(MODEL_LABEL,))
-    family.add_metric((model,), value)
-    return family
+_gauge = functools.partial(_family, GaugeMetricFamily)
+_counter = functools.partial(_family, CounterMetricFamily)

@@ -62,23 +62,23 @@ def print_row(label: str, times: dict[str, float], base: str, columns: tuple[str
     print(f"| {label} | {cells} |", flush=True)
 
 
-LINEAR_COLUMNS = ("plain", "mkldnn4", "mkldnn8", "aten4", "native")
+LINEAR_COLUMNS = ("plain", "native")
 
 
 def bench_linear(rounds: int) -> None:
-    """Invariant linears (compiled bf16 GEMM; mkldnn prepacked / aten padded to T) vs plain F.linear."""
+    """Invariant linears (the compiled bf16 / fp32 GEMMs) vs plain F.linear."""
     shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
     kernels = native_kernels()
     print("\n### linear: ms per call (ratio to plain F.linear of the same dtype)")
-    print("| dtype M shape | plain | mkldnn T=4 | mkldnn T=8 | aten T=4 | native |")
-    print("|---|---|---|---|---|---|")
+    print("| dtype M shape | plain | native |")
+    print("|---|---|---|")
     for dtype_name, dtype in DTYPES.items():
         for rows in (1, 8, 32, 128, 512):
             totals: dict[str, float] = {}
             for out_f, in_f in shapes.values():
                 weight = (torch.randn(out_f, in_f) / in_f**0.5).to(dtype)
                 x = torch.randn(rows, in_f).to(dtype)
-                variants = _linear_variants(weight, kernels if dtype == torch.bfloat16 else None)
+                variants = _linear_variants(weight, kernels)
                 calls = {name: functools.partial(linear, x) for name, linear in variants.items()}
                 times = best_times(calls, rounds, inner=3)
                 for key, value in times.items():
@@ -87,10 +87,10 @@ def bench_linear(rounds: int) -> None:
     head = torch.randn(SMOLLM2.vocab_size, 576) / 24
     for rows in (1, 8, 32):
         x = torch.randn(rows, 576)
-        variants = _linear_variants(head, None)
+        variants = {"plain": Linear(head, None, batch_invariant=False)}
         # the bf16 model's head: bf16 weight and hidden state, fp32 sums (its fp32 rivals get fp32 inputs)
         native = Linear(
-            head.bfloat16(), None, tile_rows=4, batch_invariant=True, kernels=kernels, out_dtype=torch.float32
+            head.bfloat16(), None, batch_invariant=True, kernels=kernels, out_dtype=torch.float32
         )
         calls = {name: functools.partial(linear, x) for name, linear in variants.items()}
         calls["native"] = functools.partial(native, x.bfloat16())
@@ -98,17 +98,12 @@ def bench_linear(rounds: int) -> None:
         print_row(f"fp32-out M={rows} lm_head", times, "plain", LINEAR_COLUMNS)
 
 
-def _linear_variants(weight: torch.Tensor, kernels: NativeKernels | None) -> dict[str, Linear]:
-    """The invariant backends and plain F.linear for one weight; "native" only for bf16 with kernels."""
-    variants = {
-        "plain": Linear(weight, None, tile_rows=4, batch_invariant=False),
-        "mkldnn4": Linear(weight, None, tile_rows=4, batch_invariant=True),
-        "mkldnn8": Linear(weight, None, tile_rows=8, batch_invariant=True),
-        "aten4": Linear(weight, None, tile_rows=4, batch_invariant=True, backend="aten"),
+def _linear_variants(weight: torch.Tensor, kernels: NativeKernels) -> dict[str, Linear]:
+    """Plain F.linear and the invariant linear (compiled GEMM of the weight's dtype) for one weight."""
+    return {
+        "plain": Linear(weight, None, batch_invariant=False),
+        "native": Linear(weight, None, batch_invariant=True, kernels=kernels),
     }
-    if kernels is not None:
-        variants["native"] = Linear(weight, None, tile_rows=4, batch_invariant=True, kernels=kernels)
-    return variants
 
 
 def _attention_inputs(

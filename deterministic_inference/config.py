@@ -31,7 +31,7 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" (invariant: bf16 on every CPU; plain torch: bf16 where native), ...
     quantization: str = "auto"  # weight formats: one of QUANTIZATIONS
     batch_invariant: bool = True  # False = plain torch ops (benchmarks, negative controls)
-    linear_tile_rows: int = 4  # GEMM row granularity T: every linear call sees a multiple of T rows
+    linear_tile_rows: int = 4  # sets the self-check's probe batch sizes (T-1, T+1, 2T+3); in manifests
     kv_block_size: int = 16  # tokens per paged KV-cache block (also the prefix-cache unit)
     num_kv_blocks: int | None = None  # KV pool blocks; None = as many as fit kv_cache_memory
     kv_cache_memory: int | None = None  # KV pool cap in bytes; None = 2 GiB (at least one full context)

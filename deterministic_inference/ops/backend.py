@@ -145,7 +145,7 @@ class NativeBackend:
     def linear(self, weight: LinearWeight, bias: torch.Tensor | None = None) -> Linear:
         numerics = self.numerics
         return Linear(
-            weight, bias, tile_rows=numerics.tile_rows, batch_invariant=True, kernels=self.kernels,
+            weight, bias, batch_invariant=True, kernels=self.kernels,
             out_dtype=numerics.dtype, dtype=numerics.dtype,
         )  # fmt: skip
 
@@ -153,7 +153,7 @@ class NativeBackend:
         """fp32 sums of the model-dtype weight and hidden state (see Linear)."""
         numerics = self.numerics
         return Linear(
-            weight, None, tile_rows=numerics.tile_rows, batch_invariant=True, kernels=self.kernels,
+            weight, None, batch_invariant=True, kernels=self.kernels,
             out_dtype=torch.float32, dtype=numerics.dtype,
         )  # fmt: skip
 
@@ -237,14 +237,14 @@ class TorchBackend:
     def linear(self, weight: LinearWeight, bias: torch.Tensor | None = None) -> Linear:
         numerics = self.numerics
         return Linear(
-            weight, bias, tile_rows=numerics.tile_rows, batch_invariant=False, out_dtype=numerics.dtype,
+            weight, bias, batch_invariant=False, out_dtype=numerics.dtype,
             dtype=numerics.dtype,
         )  # fmt: skip
 
     def logits_head(self, weight: LinearWeight) -> Linear:
         numerics = self.numerics
         return Linear(
-            weight, None, tile_rows=numerics.tile_rows, batch_invariant=False, out_dtype=torch.float32,
+            weight, None, batch_invariant=False, out_dtype=torch.float32,
             dtype=numerics.dtype,
         )  # fmt: skip
 

@@ -24,33 +24,6 @@ if TYPE_CHECKING:
     from deterministic_inference.ops.native import NativeKernels
 
 
-def padded_rows(num_rows: int, tile_rows: int) -> int:
-    """Row count the GEMM is called with: a multiple of `tile_rows`, at least `tile_rows`."""
-    return max(tile_rows, -(-num_rows // tile_rows) * tile_rows)
-
-
-def pad_rows(x: torch.Tensor, tile_rows: int) -> torch.Tensor:
-    """x: [M, K] -> [P, K] with zero rows appended so P = padded_rows(M, tile_rows)."""
-    num_rows = x.shape[0]
-    target = padded_rows(num_rows, tile_rows)
-    if target == num_rows:
-        return x.contiguous()
-    out = x.new_zeros((target, x.shape[1]))
-    out[:num_rows] = x
-    return out
-
-
-def mkldnn_available(dtype: torch.dtype) -> bool:
-    """True when torch exposes the oneDNN prepacked linear ops for this dtype."""
-    ops = torch.ops.mkldnn
-    return (
-        torch.backends.mkldnn.is_available()
-        and hasattr(ops, "_reorder_linear_weight")
-        and hasattr(ops, "_linear_pointwise")
-        and dtype in (torch.float32, torch.bfloat16)
-    )
-
-
 LinearWeight: TypeAlias = StoredWeight | Sequence[StoredWeight]  # one matrix, or several stacked by rows
 
 
@@ -69,11 +42,10 @@ class Linear:
     is a fixed-order fp32 sum over its own row and column (ops/csrc/gemm.c), so no padding is needed;
     for dense fp32 weights (backend "native_f32") a fixed chain of fused multiply-adds per output
     (ops/csrc/gemm_f32.c): in both, the bits do not depend on the CPU's ISA either (portable numerics).
-    Otherwise (no kernels: tests of the padded GEMMs) oneDNN or MKL is called on a padded row count: they pick
-    their kernel and reduction order from the GEMM's shape, and padding to a multiple of `tile_rows`
-    (at least `tile_rows` rows) keeps every call in the same kernel class, so each row is a fixed-order
-    dot product of its own input with W. The start-up self-check proves either per machine at the
-    model's shapes. With `batch_invariant=False` it is plain `F.linear`.
+    A batch-invariant linear needs the kernels: torch's GEMMs (oneDNN, MKL) pick their kernel and reduction
+    order from the call's shape and the CPU (padding the row count to a multiple of a tile once stood in
+    for that; oneDNN's AMX kernels broke it at M = 33), so they are used only with `batch_invariant=False`,
+    as plain `F.linear` (the negative-control backend).
 
     `out_dtype` (default: `dtype`) may be fp32 for bf16 weights: the native GEMM then returns its
     fp32 sums unrounded (the logits head); the other backends compute in fp32 on an fp32 copy of W.
@@ -84,9 +56,7 @@ class Linear:
         weight: LinearWeight,  # [out_features, in_features], or parts stacked by rows
         bias: torch.Tensor | None,  # [out_features]
         *,
-        tile_rows: int,
         batch_invariant: bool,
-        backend: str = "mkldnn",
         kernels: NativeKernels | None = None,
         out_dtype: torch.dtype | None = None,
         dtype: torch.dtype | None = None,
@@ -95,7 +65,6 @@ class Linear:
         first = parts[0]
         dtype = dtype or (first.dtype if isinstance(first, torch.Tensor) else torch.float32)
         self.out_dtype = out_dtype or dtype
-        self.tile_rows = tile_rows
         self.batch_invariant = batch_invariant
         bias = None if bias is None else bias.to(dtype)
         self._native: tuple[NativeKernels, torch.Tensor, torch.Tensor | None] | None = None
@@ -114,7 +83,7 @@ class Linear:
         # Dense: every part cast (quantized parts dequantised: the plain backend, or a linear mixing
         # quantized and float parts) and stacked.
         self.formats = (dtype_format(dtype),) * len(parts)
-        self._init_dense(_stack([dense(part, dtype) for part in parts]), bias, dtype, kernels, backend)
+        self._init_dense(_stack([dense(part, dtype) for part in parts]), bias, dtype, kernels)
 
     def _init_dense(
         self,
@@ -122,7 +91,6 @@ class Linear:
         bias: torch.Tensor | None,  # [N] in dtype
         dtype: torch.dtype,
         kernels: NativeKernels | None,
-        backend: str,
     ) -> None:
         self.out_features, self.in_features = weight.shape
         if kernels is not None and self.batch_invariant and dtype == torch.bfloat16:
@@ -137,11 +105,14 @@ class Linear:
             bias32 = None if bias is None else bias.float().contiguous()
             self._native_f32 = (kernels, pack_f32(kernels, weight), bias32)
             return
+        if self.batch_invariant:
+            raise ValueError(
+                f"a batch-invariant {dtype_format(dtype)} linear runs on the compiled kernels: pass `kernels`"
+                " (ops/native.py), or batch_invariant=False for plain F.linear"
+            )
         self.weight = weight.to(self.out_dtype).contiguous()
         self.bias = None if bias is None else bias.to(self.out_dtype).contiguous()
-        use_mkldnn = backend == "mkldnn" and self.batch_invariant and mkldnn_available(self.weight.dtype)
-        self.backend = "mkldnn" if use_mkldnn else "aten"
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None) if use_mkldnn else None
+        self.backend = "aten"
 
     @property
     def quant_linear(self) -> QuantLinear | None:
@@ -163,16 +134,7 @@ class Linear:
         if self._native_f32 is not None:
             kernels, packed, bias32 = self._native_f32
             return gemm_f32(kernels, x, packed, self.out_features, bias32)
-        x = x.to(self.weight.dtype)
-        if not self.batch_invariant:
-            return F.linear(x, self.weight, self.bias)
-        num_rows = x.shape[0]
-        x_padded = pad_rows(x, self.tile_rows)  # [P, in]
-        if self._packed is not None:
-            out = torch.ops.mkldnn._linear_pointwise(x_padded, self._packed, self.bias, "none", [], "")
-        else:
-            out = F.linear(x_padded, self.weight, self.bias)
-        return out[:num_rows]
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
 
 def _stack(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -104,11 +104,10 @@ def linear_probes(
     results, dtype, tile_rows = [], ops.numerics.dtype, ops.numerics.tile_rows
     for name, linear in linears:
         rows = torch.randn(PROBE_ROWS, linear.in_features, generator=generator).to(dtype)
-        tile = f" T={tile_rows}" if linear.backend in ("mkldnn", "aten") else ""
         formats = "+".join(sorted(set(linear.formats)))
         types = f"{dtype_name(dtype)}->{dtype_name(linear.out_dtype)}"
         shape = f"{linear.in_features}->{linear.out_features}"
-        label = f"{name} {shape} {types} {linear.backend}{tile} weights {formats}"
+        label = f"{name} {shape} {types} {linear.backend} weights {formats}"
         sizes = batch_sizes(tile_rows, 33 if name == "lm_head" else 64)
         results.append(row_probe("linear", label, linear, rows, sizes, threads, generator))
     return results

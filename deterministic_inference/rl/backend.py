@@ -44,7 +44,6 @@ class TrainableLinear(Linear):
         self.out_features = sum(part.shape[0] for part in parts)
         self.in_features = parts[0].shape[1]
         self.out_dtype = torch.float32 if head else dtype
-        self.tile_rows = ops.numerics.tile_rows
         self.batch_invariant = True
         self.backend = "trainable"
 

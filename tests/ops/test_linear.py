@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deterministic_inference.ops.linear import Linear, mkldnn_available, pad_rows, padded_rows
+from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.native import NativeKernels
 from tests.ops.helpers import DTYPES, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, THREADS, VOCAB, row_mismatches
 
@@ -20,11 +20,11 @@ LAYER_SHAPES = {  # name: (out_features, in_features)
 }
 
 
-def _linear(shape: str, dtype: torch.dtype, invariant: bool, tile_rows: int = 4, **kw: object) -> Linear:
+def _linear(shape: str, dtype: torch.dtype, invariant: bool, **kw: object) -> Linear:
     out_features, in_features = LAYER_SHAPES[shape]
     generator = torch.Generator().manual_seed(1)
     weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
-    return Linear(weight, None, tile_rows=tile_rows, batch_invariant=invariant, **kw)  # type: ignore[arg-type]
+    return Linear(weight, None, batch_invariant=invariant, **kw)  # type: ignore[arg-type]
 
 
 def _rows(in_features: int, dtype: torch.dtype) -> torch.Tensor:
@@ -34,36 +34,29 @@ def _rows(in_features: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("threads", THREADS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", list(LAYER_SHAPES))
-def test_layer_linears_are_row_invariant(shape: str, dtype: torch.dtype, threads: int) -> None:
-    for tile_rows in (4, 8):
-        linear = _linear(shape, dtype, invariant=True, tile_rows=tile_rows)
-        assert row_mismatches(linear, _rows(linear.in_features, dtype), threads) == [], f"T={tile_rows}"
+def test_layer_linears_are_row_invariant(
+    kernels: NativeKernels, shape: str, dtype: torch.dtype, threads: int
+) -> None:
+    """The compiled GEMMs need no padding: every M from 1 to 64 gives a row the same bits."""
+    linear = _linear(shape, dtype, invariant=True, kernels=kernels)
+    assert linear.backend == ("native" if dtype == torch.bfloat16 else "native_f32")
+    assert row_mismatches(linear, _rows(linear.in_features, dtype), threads) == []
 
 
 @pytest.mark.parametrize("threads", THREADS)
-def test_fp32_logits_head_is_row_invariant(threads: int) -> None:
+def test_fp32_logits_head_is_row_invariant(kernels: NativeKernels, threads: int) -> None:
     generator = torch.Generator().manual_seed(3)
-    head = Linear(
-        torch.randn(VOCAB, HIDDEN, generator=generator) / 24, None, tile_rows=4, batch_invariant=True
-    )
+    weight = torch.randn(VOCAB, HIDDEN, generator=generator) / 24
+    head = Linear(weight, None, batch_invariant=True, kernels=kernels)
     rows = _rows(HIDDEN, torch.float32)
     assert row_mismatches(head, rows, threads, sizes=(1, 3, 8, 33)) == []
-
-
-@pytest.mark.parametrize("threads", THREADS)
-@pytest.mark.parametrize("shape", list(LAYER_SHAPES))
-def test_native_bf16_linears_are_row_invariant(kernels: NativeKernels, shape: str, threads: int) -> None:
-    """The compiled GEMM needs no padding: every M from 1 to 64 gives a row the same bits."""
-    linear = _linear(shape, torch.bfloat16, invariant=True, kernels=kernels)
-    assert linear.backend == "native"
-    assert row_mismatches(linear, _rows(linear.in_features, torch.bfloat16), threads) == []
 
 
 @pytest.mark.parametrize("threads", THREADS)
 def test_native_bf16_logits_head_is_row_invariant(kernels: NativeKernels, threads: int) -> None:
     generator = torch.Generator().manual_seed(3)
     weight = (torch.randn(VOCAB, HIDDEN, generator=generator) / 24).bfloat16()
-    head = Linear(weight, None, tile_rows=4, batch_invariant=True, kernels=kernels, out_dtype=torch.float32)
+    head = Linear(weight, None, batch_invariant=True, kernels=kernels, out_dtype=torch.float32)
     rows = _rows(HIDDEN, torch.bfloat16)
     out = head(rows)
     assert out.dtype == torch.float32 and head.backend == "native"
@@ -75,11 +68,11 @@ def test_native_linear_with_bias_computes_x_wt_plus_b(kernels: NativeKernels) ->
     weight = torch.randn(96, 64, generator=generator).bfloat16()
     bias = torch.randn(96, generator=generator).bfloat16()
     x = torch.randn(11, 64, generator=generator).bfloat16()
-    out = Linear(weight, bias, tile_rows=4, batch_invariant=True, kernels=kernels)(x)
+    out = Linear(weight, bias, batch_invariant=True, kernels=kernels)(x)
     assert out.shape == (11, 96) and out.dtype == torch.bfloat16
     expected = F.linear(x.float(), weight.float(), bias.float())
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=2e-2)
-    row_bias = Linear(weight, bias, tile_rows=4, batch_invariant=True, kernels=kernels)
+    row_bias = Linear(weight, bias, batch_invariant=True, kernels=kernels)
     assert row_mismatches(row_bias, _rows(64, torch.bfloat16), threads=2) == []
 
 
@@ -106,32 +99,30 @@ def test_negative_control_plain_linear_differs() -> None:
     assert all(found.values()), {key: len(value) for key, value in found.items()}
 
 
-def test_bias_and_aten_backend_are_row_invariant() -> None:
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_an_invariant_dense_linear_without_kernels_is_refused(dtype: torch.dtype) -> None:
+    """torch's GEMMs are not row-invariant on every CPU (oneDNN's AMX kernels differ at M = 33 from
+    M = 1), so there is no invariant linear without the compiled kernels."""
+    with pytest.raises(ValueError, match="compiled kernels"):
+        _linear("tiny_qkv", dtype, invariant=True)
+
+
+def test_fp32_bias_is_row_invariant(kernels: NativeKernels) -> None:
     generator = torch.Generator().manual_seed(4)
     weight = torch.randn(384, HIDDEN, generator=generator) / 24
     bias = torch.randn(384, generator=generator)
-    for backend in ("mkldnn", "aten"):
-        linear = Linear(weight, bias, tile_rows=4, batch_invariant=True, backend=backend)
-        assert row_mismatches(linear, _rows(HIDDEN, torch.float32), threads=2) == [], backend
+    linear = Linear(weight, bias, batch_invariant=True, kernels=kernels)
+    assert row_mismatches(linear, _rows(HIDDEN, torch.float32), threads=2) == []
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_invariant_linear_computes_x_wt_plus_b(dtype: torch.dtype) -> None:
+def test_invariant_linear_computes_x_wt_plus_b(kernels: NativeKernels, dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(5)
     weight = torch.randn(96, 64, generator=generator).to(dtype)
     bias = torch.randn(96, generator=generator).to(dtype)
     x = torch.randn(11, 64, generator=generator).to(dtype)
-    out = Linear(weight, bias, tile_rows=4, batch_invariant=True)(x)
+    out = Linear(weight, bias, batch_invariant=True, kernels=kernels)(x)
     assert out.shape == (11, 96) and out.dtype == dtype
     torch.testing.assert_close(
         out.float(), F.linear(x.float(), weight.float(), bias.float()), rtol=2e-2, atol=2e-2
     )
-
-
-def test_padding_granularity() -> None:
-    assert [padded_rows(m, 4) for m in (1, 4, 5, 8, 9)] == [4, 4, 8, 8, 12]
-    x = torch.ones(5, 3)
-    padded = pad_rows(x, 4)
-    assert padded.shape == (8, 3) and torch.equal(padded[:5], x) and not padded[5:].any()
-    assert mkldnn_available(torch.float32) and mkldnn_available(torch.bfloat16)
-    assert _linear("qkv", torch.float32, invariant=True).backend == "mkldnn"

@@ -24,6 +24,4 @@ in `csrc/`); `batch_invariant=False` selects plain torch ops (benchmarks, negati
 #     ISA-dispatched ones: log_softmax / softmax / cumulative sums of the sampler (ops/csrc/sampling.c),
 #     rotary tables from our own pow / sin / cos (rotary_tables.c, portable_math.h), fp32 linears in a
 #     fixed-order FMA GEMM (gemm_f32.c, was oneDNN), Qwen3's q/k norms in the RMSNorm kernel.
-# 10 = attention over bf16 caches in bf16 pairs (ops/csrc/attention_pairs.c): q and the softmax weights
-#     rounded to bf16, products taken two at a time as VDPBF16PS does (or the same operations portably).
-OPS_REVISION = 10
+OPS_REVISION = 9

@@ -31,7 +31,7 @@ _QUANT = (  # ops/quant.py, ops/repack.py
 QUANT_SOURCES = tuple(_CSRC / f"quant_{name}.c" for name in _QUANT)
 # portable numerics (ops/portable.py): the sampler's arithmetic, rotary tables, the fp32 GEMM
 PORTABLE_SOURCES = (_CSRC / "sampling.c", _CSRC / "rotary_tables.c", _CSRC / "gemm_f32.c")
-_ATTENTION = (_CSRC / "attention.c", _CSRC / "attention_tile.c", _CSRC / "attention_pairs.c")
+_ATTENTION = (_CSRC / "attention.c", _CSRC / "attention_tile.c")
 SOURCES = (  # compiled together; decoder.c is the decode fast path (ops/fused.py)
     *_ATTENTION, _CSRC / "rowwise.c", _CSRC / "gemm.c", _CSRC / "moe.c", *QUANT_SOURCES,
     *PORTABLE_SOURCES, _CSRC / "decoder.c",

@@ -8,8 +8,7 @@
      l         = sum_j p[j]                    16 lane partial sums over j, then a fixed tree
      acc[d]    = sum_j p[j] * v_j[d]           fused multiply-adds over j ascending, each d on its own
      out[d]    = acc[d] / l
-   where j runs over the row's own keys 0..n-1 and nothing else (that is an fp32 cache; a bf16 cache
-   rounds q and p to bf16 and takes the products in pairs, attention_pairs.c). No row reads another row's data, so
+   where j runs over the row's own keys 0..n-1 and nothing else. No row reads another row's data, so
    a row's bits cannot depend on the batch, the chunk it is in, the number of rows per call or the
    thread that computes it. With 16-key blocks and head_dim a multiple of 16 (attention_tile.c), rows of
    up to a few consecutive tokens of one sequence share each loaded key and value vector (a tile), each
@@ -65,7 +64,7 @@ static void attend_rows(const attention_args *a, const int64_t *table, int64_t k
         for (int64_t i = 0; i < n; i++) rows_scores[i] = w->scores + (first + i) * stride + b * block;
         if (block == 16) {
             for (int64_t i = 0; i < n; i++)
-                detinf_rows_scores16(1, rows_q[i], a->k_cache, offset, dim, a->scale, rows_scores[i]);
+                detinf_rows_scores16(1, rows_q[i], a->k_cache, offset, dim, a->bf16, a->scale, rows_scores[i]);
         } else {
             load_row(a->k_cache, offset, w->tile, dim * block, a->bf16);
             for (int64_t i = 0; i < n; i++) block_scores(rows_q[i], w->tile, dim, block, a->scale, rows_scores[i]);
@@ -88,7 +87,7 @@ static void attend_rows(const attention_args *a, const int64_t *table, int64_t k
         const float *block_p[4];
         for (int64_t i = 0; i < n; i++) block_p[i] = rows_p[i] + b * block;
         for (int64_t i = 0; i < n; i++)
-            detinf_rows_values16(1, block_p[i], a->v_cache, offset, 0, count, dim, rows_acc[i]);
+            detinf_rows_values16(1, block_p[i], a->v_cache, offset, 0, count, dim, a->bf16, rows_acc[i]);
     }
 }
 
@@ -97,15 +96,10 @@ static void attend(const attention_args *a, int64_t r, int64_t kvh, const worksp
     const int64_t heads = a->heads, kv_heads = a->kv_heads, dim = a->head_dim, block = a->block;
     const int64_t group = heads / kv_heads, keys = a->row_keys[r];
     const int64_t *table = a->block_ids + a->row_table[r];
-    const int64_t stride = ((keys + block - 1) / block * block + LANES - 1) / LANES * LANES;
+    const int64_t stride = (keys + block - 1) / block * block;
     const float *q = a->q + (r * heads + kvh * group) * dim; /* the group's heads are consecutive */
     for (int64_t first = 0; first < group; first += 4) {
-        if (a->bf16) {
-            for (int64_t g = first; g < group && g < first + 4; g++)
-                w->totals[g] = detinf_pair_row(a, r, kvh * group + g, kvh, w->scores + g * stride, w->acc + g * dim);
-        } else {
-            attend_rows(a, table, kvh, keys, stride, q, first, group - first < 4 ? group - first : 4, w);
-        }
+        attend_rows(a, table, kvh, keys, stride, q, first, group - first < 4 ? group - first : 4, w);
     }
     for (int64_t g = 0; g < group; g++) {
         float *dst = a->out + (r * heads + kvh * group + g) * dim;
@@ -166,7 +160,7 @@ int detinf_attention(const float *q, const void *k_cache, const void *v_cache, i
                               heads, kv_heads, head_dim, block,         scale,     out, end_row};
     int64_t max_keys = 1;
     for (int64_t r = first_row; r < end_row; r++) max_keys = a.row_keys[r] > max_keys ? a.row_keys[r] : max_keys;
-    const size_t stride = (size_t)(((max_keys + block - 1) / block * block + LANES - 1) / LANES * LANES);
+    const size_t stride = (size_t)((max_keys + block - 1) / block * block);
     const int64_t group = heads / kv_heads;
     const int fast = block == 16 && head_dim % 16 == 0 && group <= MAX_TILE_TOKENS * MAX_SHARED_ROWS;
     const int64_t tokens = fast ? tile_tokens(group, tile) : 1;

@@ -123,31 +123,6 @@ static inline float exp_and_sum(float *scores, int64_t keys, int64_t step) {
     return lane_tree(lanes);
 }
 
-/* exp_and_sum for a bf16 cache (attention_pairs.c): each weight rounded to bf16, the rounded weights
-   summed in the same lanes and tree, and the 16 weights of each 16-key group packed in place, as bf16,
-   into the group's first 8 floats (weights past the row's last key are 0). */
-static inline float exp_sum_pairs(float *scores, int64_t keys, int64_t step) {
-    const float m = row_max(scores, keys, step);
-    float lanes[LANES] = {0};
-    for (int64_t j = 0; j < keys; j += LANES) {
-        float *x = scores + (j / LANES) * step;
-        const int64_t count = keys - j < LANES ? keys - j : LANES;
-        uint16_t packed[LANES] = {0};
-        for (int l = 0; l < count; l++) {
-            const float shifted = x[l] - m;
-            packed[l] = f32_to_bf16(exp_nonpositive(shifted < -87.0f ? -87.0f : shifted));
-            lanes[l] = lanes[l] + bf16_to_f32(packed[l]);
-        }
-        memcpy(x, packed, sizeof packed);
-    }
-    return lane_tree(lanes);
-}
-
-/* A row's softmax weights in place and their sum: exp_sum_pairs for a bf16 cache, else exp_and_sum. */
-static inline float softmax_weights(float *scores, int64_t keys, int64_t step, int bf16) {
-    return bf16 ? exp_sum_pairs(scores, keys, step) : exp_and_sum(scores, keys, step);
-}
-
 /* The caches of one layer hold blocks of `block` slots (slot = block_id * block + offset):
      keys   [num_blocks, KVH, D, block]   a head's keys transposed inside a block (key index fastest)
      values [num_blocks, KVH, block, D]
@@ -182,31 +157,14 @@ typedef struct {
 /* scores[i * 16 + l] = (sum over d ascending of q_i[d] * k_l[d]) * scale for n (1..MAX_SHARED_ROWS)
    rows against the 16 keys of one block of the transposed key cache at `offset`; the queries
    interleaved: qt[d * n + i] = q_i[d] (for n = 1, the query row itself). attention_tile.c. */
-void detinf_rows_scores16(int n, const float *qt, const void *keys_t, int64_t offset, int64_t dim, float scale,
-                          float *scores);
+void detinf_rows_scores16(int n, const float *qt, const void *keys_t, int64_t offset, int64_t dim, int bf16,
+                          float scale, float *scores);
 
 /* acc[i * dim + d] += p[i * 16 + l] * v_l[d] for l = first..end-1 ascending (fused multiply-adds, each d
    on its own), n (1..MAX_SHARED_ROWS) rows sharing the value loads of one block at `offset` (n = 1: p is
    the row's weights, any number of keys). attention_tile.c. */
 void detinf_rows_values16(int n, const float *p, const void *v_cache, int64_t offset, int64_t first,
-                          int64_t end, int64_t dim, float *acc);
-
-/* q2[2m] | q2[2m+1] << 16: pair m of an fp32 query row rounded to bf16 (attention_pairs.c). */
-uint32_t detinf_query_pair(const float *q, int64_t m, int64_t dim);
-
-/* detinf_rows_scores16 / detinf_rows_values16 for a bf16 cache, the pairs arithmetic of
-   attention_pairs.c: qt[m * n + i] is row i's query pair m; p + i * 16 holds row i's packed weights of
-   the block, whose keys 0..end-1 are summed. keys_t and values point at the block's slice. */
-void detinf_pair_scores16(int n, const uint32_t *qt, const uint16_t *keys_t, int64_t dim, float scale,
-                          float *scores);
-void detinf_pair_values16(int n, const float *p, const uint16_t *values, int64_t end, int64_t dim, float *acc);
-
-/* The same arithmetic for any block size and head_dim, one row (query token r, head h of KV head kvh) at
-   a time: its scores row (stride: keys rounded up to 16) and its dim sums acc. Returns the weights' sum. */
-float detinf_pair_row(const attention_args *a, int64_t r, int64_t h, int64_t kvh, float *scores, float *acc);
-
-#define CASES_1_TO_12(CASE) \
-    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
+                          int64_t end, int64_t dim, int bf16, float *acc);
 
 /* Query tokens r0..r0+tokens-1 of one sequence, the query heads of KV head kvh; 16-key blocks, head_dim a
    multiple of 16. */

@@ -14,15 +14,15 @@
 
 /* Scores of n rows (literal 1..MAX_SHARED_ROWS) against one 16-key block, the rows' queries
    interleaved (qt[d * n + i] = q_i[d]) and their scores one after another (scores[i * 16 + l]): one base
-   pointer each, so the n broadcasts and stores need no registers of their own. fp32 caches only (bf16
-   caches: attention_pairs.c). */
-INLINE void scores_n(int n, const float *qt, const void *keys_t, int64_t offset, int64_t dim,
+   pointer each, so the n broadcasts and stores need no registers of their own. bf16 is a literal too,
+   so the inner loop has no branch. */
+INLINE void scores_n(int n, int bf16, const float *qt, const void *keys_t, int64_t offset, int64_t dim,
                      float scale, float *scores) {
     f32x16 lanes[MAX_SHARED_ROWS];
 #pragma GCC unroll 12
     for (int i = 0; i < n; i++) lanes[i] = (f32x16){0};
     for (int64_t d = 0; d < dim; d++) {
-        const f32x16 k = load16(keys_t, offset + d * 16, 0);
+        const f32x16 k = load16(keys_t, offset + d * 16, bf16);
 #pragma GCC unroll 12
         for (int i = 0; i < n; i++) lanes[i] = fma16(qt[d * n + i], k, lanes[i]);
     }
@@ -35,7 +35,7 @@ INLINE void scores_n(int n, const float *qt, const void *keys_t, int64_t offset,
 
 /* Value sums of n rows (literal) over keys first..end-1 of one block: p[i * 16 + l] is row i's weight of
    key l, acc[i * dim + d] its sum. */
-INLINE void values_n(int n, const float *p, const void *v_cache, int64_t offset, int64_t first,
+INLINE void values_n(int n, int bf16, const float *p, const void *v_cache, int64_t offset, int64_t first,
                      int64_t end, int64_t dim, float *acc) {
     for (int64_t d = 0; d < dim; d += 16) {
         f32x16 sums[MAX_SHARED_ROWS];
@@ -44,13 +44,13 @@ INLINE void values_n(int n, const float *p, const void *v_cache, int64_t offset,
         if (first == 0 && end == 16) { /* a whole block: the key loop unrolled, no exit branch to mispredict */
 #pragma GCC unroll 16
             for (int64_t l = 0; l < 16; l++) {
-                const f32x16 v = load16(v_cache, offset + l * dim + d, 0);
+                const f32x16 v = load16(v_cache, offset + l * dim + d, bf16);
 #pragma GCC unroll 12
                 for (int i = 0; i < n; i++) sums[i] = fma16(p[i * 16 + l], v, sums[i]);
             }
         } else {
             for (int64_t l = first; l < end; l++) {
-                const f32x16 v = load16(v_cache, offset + l * dim + d, 0);
+                const f32x16 v = load16(v_cache, offset + l * dim + d, bf16);
 #pragma GCC unroll 12
                 for (int i = 0; i < n; i++) sums[i] = fma16(p[i * 16 + l], v, sums[i]);
             }
@@ -60,13 +60,21 @@ INLINE void values_n(int n, const float *p, const void *v_cache, int64_t offset,
     }
 }
 
-#define SCORES_CASE(N) \
-    case N: scores_n(N, qt, keys_t, offset, dim, scale, scores); break;
-#define VALUES_CASE(N) \
-    case N: values_n(N, p, v_cache, offset, first, end, dim, acc); break;
+#define SCORES_CASE(N)                                                       \
+    case N:                                                                  \
+        if (bf16) scores_n(N, 1, qt, keys_t, offset, dim, scale, scores);    \
+        else scores_n(N, 0, qt, keys_t, offset, dim, scale, scores);         \
+        break;
+#define VALUES_CASE(N)                                                       \
+    case N:                                                                  \
+        if (bf16) values_n(N, 1, p, v_cache, offset, first, end, dim, acc);  \
+        else values_n(N, 0, p, v_cache, offset, first, end, dim, acc);       \
+        break;
+#define CASES_1_TO_12(CASE) \
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
 
 __attribute__((visibility("hidden"))) void detinf_rows_scores16(int n, const float *qt, const void *keys_t,
-                                                                int64_t offset, int64_t dim, float scale,
+                                                                int64_t offset, int64_t dim, int bf16, float scale,
                                                                 float *scores) {
     switch (n) {
         CASES_1_TO_12(SCORES_CASE)
@@ -76,7 +84,7 @@ __attribute__((visibility("hidden"))) void detinf_rows_scores16(int n, const flo
 
 __attribute__((visibility("hidden"))) void detinf_rows_values16(int n, const float *p, const void *v_cache,
                                                                 int64_t offset, int64_t first, int64_t end,
-                                                                int64_t dim, float *acc) {
+                                                                int64_t dim, int bf16, float *acc) {
     switch (n) {
         CASES_1_TO_12(VALUES_CASE)
     default: break;
@@ -123,13 +131,9 @@ static inline int64_t query_row(const attention_args *a, int64_t tokens, int64_t
 static void chunk_scores(const attention_args *a, const int64_t *table, int64_t num_blocks, int64_t r0,
                          int64_t tokens, chunk c, int64_t stride, const workspace *w) {
     const int64_t dim = a->head_dim, n = c.count, kvh = c.first / (tokens * (a->heads / a->kv_heads));
-    uint32_t *pairs = (uint32_t *)w->tile; /* bf16 cache: the queries' bf16 pairs, interleaved */
     for (int64_t i = 0; i < n; i++) {
         const float *q = a->q + (r0 * a->heads + query_row(a, tokens, c.first + i)) * dim;
-        if (a->bf16)
-            for (int64_t m = 0; m < dim / 2; m++) pairs[m * n + i] = detinf_query_pair(q, m, dim);
-        else
-            for (int64_t d = 0; d < dim; d++) w->tile[d * n + i] = q[d];
+        for (int64_t d = 0; d < dim; d++) w->tile[d * n + i] = q[d];
     }
     float *scores = w->scores + c.scratch * stride;
     for (int64_t b = 0; b < num_blocks; b++) {
@@ -137,10 +141,7 @@ static void chunk_scores(const attention_args *a, const int64_t *table, int64_t 
         if (ahead < num_blocks) prefetch_slice(a, table[ahead], kvh, 0);
         else if (ahead - num_blocks < num_blocks) prefetch_slice(a, table[ahead - num_blocks], kvh, 1);
         const int64_t offset = (table[b] * a->kv_heads + kvh) * dim * 16;
-        if (a->bf16)
-            detinf_pair_scores16((int)n, pairs, (const uint16_t *)a->k_cache + offset, dim, a->scale,
-                                 scores + b * n * 16);
-        else detinf_rows_scores16((int)n, w->tile, a->k_cache, offset, dim, a->scale, scores + b * n * 16);
+        detinf_rows_scores16((int)n, w->tile, a->k_cache, offset, dim, a->bf16, a->scale, scores + b * n * 16);
     }
 }
 
@@ -152,17 +153,15 @@ static void chunk_values(const attention_args *a, int64_t block_id, int64_t b, i
     const int64_t offset = (block_id * a->kv_heads + c.first / per_kvh) * 16 * dim;
     const float *p = w->scores + c.scratch * stride + b * n * 16;
     float *acc = w->acc + c.scratch * dim;
-    const uint16_t *values = (const uint16_t *)a->v_cache + offset;
     if ((b + 1) * 16 <= min_keys) {
-        if (a->bf16) detinf_pair_values16((int)n, p, values, 16, dim, acc);
-        else detinf_rows_values16((int)n, p, a->v_cache, offset, 0, 16, dim, acc);
+        detinf_rows_values16((int)n, p, a->v_cache, offset, 0, 16, dim, a->bf16, acc);
         return;
     }
     for (int64_t i = 0; i < n; i++) {
-        const int64_t left = keys[(c.first + i) % per_kvh / group] - b * 16, end = left < 16 ? left : 16;
-        if (left <= 0) continue;
-        if (a->bf16) detinf_pair_values16(1, p + i * 16, values, end, dim, acc + i * dim);
-        else detinf_rows_values16(1, p + i * 16, a->v_cache, offset, 0, end, dim, acc + i * dim);
+        const int64_t left = keys[(c.first + i) % per_kvh / group] - b * 16;
+        if (left > 0)
+            detinf_rows_values16(1, p + i * 16, a->v_cache, offset, 0, left < 16 ? left : 16, dim, a->bf16,
+                                 acc + i * dim);
     }
 }
 
@@ -196,8 +195,7 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
         const chunk c = nth_chunk(per_kvh, index);
         for (int64_t i = 0; i < c.count; i++) {
             const int64_t token = (c.first + i) % per_kvh / group;
-            w->totals[c.scratch + i] =
-                softmax_weights(w->scores + c.scratch * stride + i * 16, keys[token], c.count * 16, a->bf16);
+            w->totals[c.scratch + i] = exp_and_sum(w->scores + c.scratch * stride + i * 16, keys[token], c.count * 16);
         }
     }
     memset(w->acc, 0, sizeof(float) * (size_t)(per_kvh * dim));

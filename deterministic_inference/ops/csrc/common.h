@@ -29,21 +29,6 @@ static inline uint16_t f32_to_bf16(float value) {
     return (uint16_t)(bits >> 16);
 }
 
-/* A denormal read as zero (sign kept): VDPBF16PS's treatment of its inputs and results. */
-static inline float flush_denormal(float value) {
-    return fabsf(value) < 1.17549435e-38f ? copysignf(0.0f, value) : value;
-}
-
-/* One lane of the AVX512-BF16 instruction VDPBF16PS, the definition the bf16 GEMM and the attention of
-   bf16 caches are written against: acc + a_odd * b_odd, then + a_even * b_even, each an IEEE fp32 fused
-   multiply-add (the product of two bf16 numbers is exact), with denormal inputs read as zero and
-   denormal results flushed to zero (rounding to nearest even; MXCSR is not consulted). Checked against
-   the instruction on 32M random lanes, denormals included; tests compare builds with and without it. */
-static inline float dpbf16_lane(float acc, float a_even, float a_odd, float b_even, float b_odd) {
-    const float odd = flush_denormal(fmaf(flush_denormal(a_odd), flush_denormal(b_odd), flush_denormal(acc)));
-    return flush_denormal(fmaf(flush_denormal(a_even), flush_denormal(b_even), odd));
-}
-
 /* lanes[0] + ... + lanes[15] by a fixed tree: (0+8, 1+9, ...), then (0+4, ...), (0+2, ...), (0+1). */
 static inline float lane_tree(float *lanes) {
     for (int width = LANES / 2; width >= 1; width /= 2) {

@@ -21,6 +21,10 @@
 #define BLOCKS_PER_PANEL 4 /* 16-column blocks per panel: a panel is 64 output columns */
 #define PANEL_COLS (BLOCKS_PER_PANEL * LANES)
 
+static inline float flush_denormal(float value) {
+    return fabsf(value) < 1.17549435e-38f ? copysignf(0.0f, value) : value;
+}
+
 /* x[r, 2p] | x[r, 2p+1] << 16 as one 32-bit word (one load); the missing odd element of an odd k reads
    as zero. */
 INLINE uint32_t pair_at(const uint16_t *row, int64_t p, int64_t k) {
@@ -63,13 +67,15 @@ INLINE void tile_sums(const uint16_t *x, int64_t k, const uint16_t *panel, int64
     for (int64_t p = 0; p < pairs; p++) {
         for (int r = 0; r < R; r++) {
             const uint32_t pair = pair_at(x + r * k, p, k);
-            const float x_even = bf16_to_f32((uint16_t)(pair & 0xFFFFu));
-            const float x_odd = bf16_to_f32((uint16_t)(pair >> 16));
+            const float x_even = flush_denormal(bf16_to_f32((uint16_t)(pair & 0xFFFFu)));
+            const float x_odd = flush_denormal(bf16_to_f32((uint16_t)(pair >> 16)));
             for (int b = 0; b < B; b++) {
                 const uint16_t *w = panel + b * block_stride + p * 32;
                 float *acc = tile + r * PANEL_COLS + b * LANES;
-                for (int c = 0; c < LANES; c++)
-                    acc[c] = dpbf16_lane(acc[c], x_even, x_odd, bf16_to_f32(w[2 * c]), bf16_to_f32(w[2 * c + 1]));
+                for (int c = 0; c < LANES; c++) {
+                    const float odd = flush_denormal(fmaf(x_odd, bf16_to_f32(w[2 * c + 1]), acc[c]));
+                    acc[c] = flush_denormal(fmaf(x_even, bf16_to_f32(w[2 * c]), odd));
+                }
             }
         }
     }

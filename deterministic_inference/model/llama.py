@@ -19,6 +19,7 @@ from deterministic_inference.ops.backend import KVCache, Numerics, OpsBackend, s
 from deterministic_inference.ops.fused import FusedDecoder
 from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.probes import BlockProbe, dtype_name
+from deterministic_inference.ops.repack import give_back_superseded
 from deterministic_inference.ops.rope import RotaryTable
 from deterministic_inference.ops.weights import StoredWeight, dense, dtype_format
 
@@ -121,7 +122,12 @@ class DecoderModel:
         # The compiled kernels in invariant mode (raises NativeBuildError without a compiler).
         self.ops = ops if ops is not None else select_backend(numerics)
         self.embed = self.ops.embedding(weights["model.embed_tokens.weight"])  # [vocab, hidden]
-        self.layers = [DecoderLayer(spec, weights, i, self.ops) for i in range(spec.num_layers)]
+        self.layers: list[DecoderLayer] = []
+        for index in range(spec.num_layers):
+            self.layers.append(DecoderLayer(spec, weights, index, self.ops))
+            # pages of repacked tensors that reading the next ones mapped back (large folios): given back
+            # per layer, so they do not pile up until the model is built (ops/repack.py)
+            give_back_superseded(weights.values())
         # every layer of a step in one C call when the layers allow it (the same bits: ops/fused.py)
         self.fused = FusedDecoder.build(getattr(self.ops, "kernels", None), self.layers)
         self.final_norm = dense(weights["model.norm.weight"], numerics.dtype)

@@ -53,15 +53,16 @@ def repacked(
             give_back_pages(weight.data[first : first + count])
     if weight.file_mapped:
         give_back_pages(weight.data)
-        weight.superseded = True  # give_back_superseded gives its pages back again once the model is built
+        weight.superseded = True  # give_back_superseded gives its pages back again (per layer, at the end)
     return out
 
 
 def give_back_superseded(weights: Iterable[object]) -> None:
-    """Once every linear is built: give back again the pages of every file-mapped weight a repacked copy
-    replaced (StoredWeights, or tuples of them for expert stacks). Faulting in the next tensor maps the
-    page cache's large folios whole, so pages of tensors repacked before come back (measured: ~15 MB
-    on a 1B Q4_0 file)."""
+    """After each decoder layer and once every linear is built: give back again the pages of every
+    file-mapped weight a repacked copy replaced (StoredWeights, or tuples of them for expert stacks).
+    Faulting in the next tensor maps the page cache's large folios whole, so pages of tensors repacked
+    before come back (a 1B Q4_0 file: ~15 MB on one kernel, ~60 MB on a newer one when given back only
+    at the end)."""
     from deterministic_inference.ops.quant import QuantizedWeight  # (quant.py imports this module)
 
     for weight in weights:

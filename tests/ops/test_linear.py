@@ -63,17 +63,18 @@ def test_native_bf16_logits_head_is_row_invariant(kernels: NativeKernels, thread
     assert row_mismatches(head, rows, threads, sizes=(1, 3, 8, 33)) == []
 
 
-def test_native_linear_with_bias_computes_x_wt_plus_b(kernels: NativeKernels) -> None:
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_invariant_linear_with_bias_computes_x_wt_plus_b(kernels: NativeKernels, dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(7)
-    weight = torch.randn(96, 64, generator=generator).bfloat16()
-    bias = torch.randn(96, generator=generator).bfloat16()
-    x = torch.randn(11, 64, generator=generator).bfloat16()
-    out = Linear(weight, bias, batch_invariant=True, kernels=kernels)(x)
-    assert out.shape == (11, 96) and out.dtype == torch.bfloat16
+    weight = torch.randn(96, 64, generator=generator).to(dtype)
+    bias = torch.randn(96, generator=generator).to(dtype)
+    x = torch.randn(11, 64, generator=generator).to(dtype)
+    linear = Linear(weight, bias, batch_invariant=True, kernels=kernels)
+    out = linear(x)
+    assert out.shape == (11, 96) and out.dtype == dtype
     expected = F.linear(x.float(), weight.float(), bias.float())
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=2e-2)
-    row_bias = Linear(weight, bias, batch_invariant=True, kernels=kernels)
-    assert row_mismatches(row_bias, _rows(64, torch.bfloat16), threads=2) == []
+    assert row_mismatches(linear, _rows(64, dtype), threads=2) == []
 
 
 def test_fp32_weights_use_the_portable_gemm_and_plain_mode_aten(kernels: NativeKernels) -> None:
@@ -105,24 +106,3 @@ def test_an_invariant_dense_linear_without_kernels_is_refused(dtype: torch.dtype
     M = 1), so there is no invariant linear without the compiled kernels."""
     with pytest.raises(ValueError, match="compiled kernels"):
         _linear("tiny_qkv", dtype, invariant=True)
-
-
-def test_fp32_bias_is_row_invariant(kernels: NativeKernels) -> None:
-    generator = torch.Generator().manual_seed(4)
-    weight = torch.randn(384, HIDDEN, generator=generator) / 24
-    bias = torch.randn(384, generator=generator)
-    linear = Linear(weight, bias, batch_invariant=True, kernels=kernels)
-    assert row_mismatches(linear, _rows(HIDDEN, torch.float32), threads=2) == []
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_invariant_linear_computes_x_wt_plus_b(kernels: NativeKernels, dtype: torch.dtype) -> None:
-    generator = torch.Generator().manual_seed(5)
-    weight = torch.randn(96, 64, generator=generator).to(dtype)
-    bias = torch.randn(96, generator=generator).to(dtype)
-    x = torch.randn(11, 64, generator=generator).to(dtype)
-    out = Linear(weight, bias, batch_invariant=True, kernels=kernels)(x)
-    assert out.shape == (11, 96) and out.dtype == dtype
-    torch.testing.assert_close(
-        out.float(), F.linear(x.float(), weight.float(), bias.float()), rtol=2e-2, atol=2e-2
-    )

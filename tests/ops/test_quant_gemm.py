@@ -91,12 +91,18 @@ def test_close_to_float64(kernels: NativeKernels, name: str) -> None:
     assert float((error / bound).median()) < 0.25  # the bound is not vacuous: typical errors sit well inside
 
 
-def test_non_finite_activations_give_nan_rows_only(kernels: NativeKernels) -> None:
+@pytest.mark.parametrize(
+    ("out_dtype", "view", "quiet_nan"),
+    [(torch.float32, torch.int32, 0x7FC00000), (torch.bfloat16, torch.int16, 0x7FC0)],
+)
+def test_non_finite_activations_give_nan_rows_only(
+    kernels: NativeKernels, out_dtype: torch.dtype, view: torch.dtype, quiet_nan: int
+) -> None:
     weight, x = _case("Q8_0", 4, 40, seed=5)
     x[1, 7], x[2, 300] = float("inf"), float("nan")
-    out = QuantLinear(kernels, [weight], bias=None, out_dtype=torch.float32)(x)
+    out = QuantLinear(kernels, [weight], bias=torch.ones(40), out_dtype=out_dtype)(x)
     assert out[1:3].isnan().all() and not out[[0, 3]].isnan().any()
-    assert (out[1:3].view(torch.int32) == 0x7FC00000).all()  # the one canonical quiet NaN
+    assert (out[1:3].view(view) == quiet_nan).all()  # the one canonical quiet NaN
 
 
 def test_tiny_activation_blocks_read_as_zero(kernels: NativeKernels) -> None:

@@ -50,10 +50,33 @@ static int workspace_alloc(workspace *ws, int64_t m) {
     return 0;
 }
 
+#if defined(DETINF_Q_AVX512)
+/* 16 columns of one row (the first `cols` of them): the scalar loop's operations, lane by lane. */
+INLINE void store16(const gemm_call *call, const float *acc, int64_t at, int64_t bias_at, int64_t cols) {
+    const __mmask16 keep = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1u);
+    __m512 value = _mm512_loadu_ps(acc);
+    if (call->bias) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(keep, call->bias + bias_at));
+    value = _mm512_mask_mov_ps(value, _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q),
+                               _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+    if (!call->out_bf16) {
+        _mm512_mask_storeu_ps((float *)call->out + at, keep, value);
+        return;
+    }
+    const __m512i bits = _mm512_castps_si512(value); /* f32_to_bf16: NaN is already 0x7FC00000 */
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    _mm256_mask_storeu_epi16((uint16_t *)call->out + at, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+#endif
+
 /* acc -> out columns [out_col, out_col + cols): + bias (one fp32 add), NaN made canonical, bf16 rounding. */
 static void store_panel(const gemm_call *call, const float *acc, int64_t out_col, int64_t cols) {
-    const uint32_t quiet_nan = 0x7FC00000u;
     for (int64_t r = 0; r < call->m; r++) {
+#if defined(DETINF_Q_AVX512)
+        for (int64_t c = 0; c < cols; c += 16)
+            store16(call, acc + r * ACC_COLS + c, r * call->n + out_col + c, out_col + c, cols - c);
+#else
+        const uint32_t quiet_nan = 0x7FC00000u;
         for (int64_t c = 0; c < cols; c++) {
             float value = acc[r * ACC_COLS + c];
             if (call->bias) value = value + call->bias[out_col + c];
@@ -62,6 +85,7 @@ static void store_panel(const gemm_call *call, const float *acc, int64_t out_col
             if (call->out_bf16) ((uint16_t *)call->out)[at] = f32_to_bf16(value);
             else ((float *)call->out)[at] = value;
         }
+#endif
     }
 }
 

@@ -39,7 +39,14 @@ void xquant_free(xquant *xq) {
 static inline void load_block(const void *x, int64_t offset, int n, int x_bf16, float *out) {
     if (x_bf16) {
         const uint16_t *src = (const uint16_t *)x + offset;
+#if defined(DETINF_Q_AVX512)
+        for (int i = 0; i < n; i += 16) { /* n is a multiple of 16 */
+            const __m256i half = _mm256_loadu_si256((const __m256i *)(src + i));
+            _mm512_storeu_si512(out + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+        }
+#else
         for (int i = 0; i < n; i++) out[i] = bf16_to_f32(src[i]);
+#endif
     } else {
         memcpy(out, (const float *)x + offset, sizeof(float) * (size_t)n);
     }
@@ -47,12 +54,19 @@ static inline void load_block(const void *x, int64_t offset, int n, int x_bf16, 
 
 /* The largest |v_i| as a bit pattern (an unsigned max of the sign-cleared bits: exact, order free). */
 static inline uint32_t amax_bits(const float *v, int n) {
+#if defined(DETINF_Q_AVX512)
+    __m512i best = _mm512_setzero_si512();
+    for (int i = 0; i < n; i += 16)
+        best = _mm512_max_epu32(best, _mm512_and_si512(_mm512_loadu_si512(v + i), _mm512_set1_epi32(0x7FFFFFFF)));
+    return (uint32_t)_mm512_reduce_max_epu32(best);
+#else
     uint32_t best = 0;
     for (int i = 0; i < n; i++) {
         const uint32_t bits = f32_bits(v[i]) & 0x7FFFFFFFu;
         best = bits > best ? bits : best;
     }
     return best;
+#endif
 }
 
 /* q_i of one block given its largest |v| (bits); returns the block scale d. */
@@ -67,18 +81,35 @@ static inline float quantize_block(const float *v, int n, uint32_t amax, int8_t 
     float largest;
     memcpy(&largest, &amax, sizeof largest);
     const float s = 127.0f / largest;
+#if defined(DETINF_Q_AVX512)
+    /* the loop below 16 lanes at a time: v * s, + and - the magic, the clamp (r is never NaN here, so
+       max / min select exactly what the comparisons do), truncation of an integer */
+    const __m512 scale = _mm512_set1_ps(s), magic = _mm512_set1_ps(ROUND_MAGIC);
+    for (int i = 0; i < n; i += 16) {
+        __m512 r = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(v + i), scale), magic), magic);
+        r = _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+        _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(r)));
+    }
+#else
     for (int i = 0; i < n; i++) {
         float r = (v[i] * s + ROUND_MAGIC) - ROUND_MAGIC;
         r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
         q[i] = (int8_t)(int32_t)r;
     }
+#endif
     return largest / 127.0f;
 }
 
 static inline int32_t sum_q(const int8_t *q, int n) {
+#if defined(DETINF_Q_AVX512)
+    __m512i sum = _mm512_setzero_si512(); /* n is 16 or 32; integer sums are exact in any order */
+    for (int i = 0; i < n; i += 16) sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + i))));
+    return _mm512_reduce_add_epi32(sum);
+#else
     int32_t sum = 0;
     for (int i = 0; i < n; i++) sum += q[i];
     return sum;
+#endif
 }
 
 /* Row r: blocks of xq->block values; `shared_amax` (test hook only) replaces each block's own maximum. */

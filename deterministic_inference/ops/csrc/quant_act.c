@@ -103,7 +103,8 @@ static inline float quantize_block(const float *v, int n, uint32_t amax, int8_t 
 static inline int32_t sum_q(const int8_t *q, int n) {
 #if defined(DETINF_Q_AVX512)
     __m512i sum = _mm512_setzero_si512(); /* n is 16 or 32; integer sums are exact in any order */
-    for (int i = 0; i < n; i += 16) sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + i))));
+    for (int i = 0; i < n; i += 16)
+        sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + i))));
     return _mm512_reduce_add_epi32(sum);
 #else
     int32_t sum = 0;

@@ -88,12 +88,19 @@ INLINE f32x16 load16(const void *base, int64_t index, int bf16) {
    same for s != 0, and exp(+0) = exp(-0) = 1), so the softmax weights are bit for bit the loop's. */
 static inline float row_max(const float *scores, int64_t keys, int64_t step) {
     float lanes[LANES];
-    for (int l = 0; l < LANES; l++) lanes[l] = scores[0];
     int64_t j = 0;
+#if defined(__AVX512F__)
+    /* MAXPS is defined as (a > b ? a : b), lane by lane: the loop below, exactly (GCC left it scalar) */
+    __m512 best = _mm512_set1_ps(scores[0]);
+    for (; j + LANES <= keys; j += LANES) best = _mm512_max_ps(_mm512_loadu_ps(scores + (j / LANES) * step), best);
+    _mm512_storeu_ps(lanes, best);
+#else
+    for (int l = 0; l < LANES; l++) lanes[l] = scores[0];
     for (; j + LANES <= keys; j += LANES) {
         const float *x = scores + (j / LANES) * step;
         for (int l = 0; l < LANES; l++) lanes[l] = x[l] > lanes[l] ? x[l] : lanes[l];
     }
+#endif
     for (; j < keys; j++) lanes[0] = KEY_AT(scores, step, j) > lanes[0] ? KEY_AT(scores, step, j) : lanes[0];
     float m = lanes[0];
     for (int l = 1; l < LANES; l++) m = lanes[l] > m ? lanes[l] : m;

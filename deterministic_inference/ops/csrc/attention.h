@@ -152,8 +152,8 @@ typedef struct {
 /* Workspace of one thread, for R rows (one KV head's query heads x a tile's tokens on the fast path,
    every head of one token on the generic path):
      scores [R][keys rounded up to the block]   acc [R][D]   totals [R]
-   tile: one key block (generic loops) or a chunk's interleaved queries [D][MAX_SHARED_ROWS] (fast path),
-   whichever is larger. */
+   tile: one key block (generic loops) or every chunk's interleaved queries (fast path: chunk rows s..s+n-1
+   at tile + s * D, [D][n]), whichever is larger. */
 typedef struct {
     float *scores;
     float *tile;

@@ -126,23 +126,24 @@ static inline int64_t query_row(const attention_args *a, int64_t tokens, int64_t
     return (k % per_kvh) / group * a->heads + k / per_kvh * group + k % group;
 }
 
-/* Key pass of one chunk over every block of the tile: its queries interleaved once, then block by block.
-   Lanes past a row's last key are computed into its scratch and never read. */
-static void chunk_scores(const attention_args *a, const int64_t *table, int64_t num_blocks, int64_t r0,
-                         int64_t tokens, chunk c, int64_t stride, const workspace *w) {
-    const int64_t dim = a->head_dim, n = c.count, kvh = c.first / (tokens * (a->heads / a->kv_heads));
+/* The queries of one chunk interleaved (qt[d * n + i] = q_i[d]) at its rows' place in w->tile. */
+static void chunk_queries(const attention_args *a, int64_t r0, int64_t tokens, chunk c, const workspace *w) {
+    const int64_t dim = a->head_dim, n = c.count;
+    float *qt = w->tile + c.scratch * dim;
     for (int64_t i = 0; i < n; i++) {
         const float *q = a->q + (r0 * a->heads + query_row(a, tokens, c.first + i)) * dim;
-        for (int64_t d = 0; d < dim; d++) w->tile[d * n + i] = q[d];
+        for (int64_t d = 0; d < dim; d++) qt[d * n + i] = q[d];
     }
-    float *scores = w->scores + c.scratch * stride;
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const int64_t ahead = b + LOOKAHEAD_BLOCKS; /* near the end: the first value blocks */
-        if (ahead < num_blocks) prefetch_slice(a, table[ahead], kvh, 0);
-        else if (ahead - num_blocks < num_blocks) prefetch_slice(a, table[ahead - num_blocks], kvh, 1);
-        const int64_t offset = (table[b] * a->kv_heads + kvh) * dim * 16;
-        detinf_rows_scores16((int)n, w->tile, a->k_cache, offset, dim, a->bf16, a->scale, scores + b * n * 16);
-    }
+}
+
+/* Key pass of one chunk over block b of the tile. Lanes past a row's last key are computed into its
+   scratch and never read. */
+static void chunk_scores(const attention_args *a, int64_t block_id, int64_t b, int64_t tokens, chunk c,
+                         int64_t stride, const workspace *w) {
+    const int64_t dim = a->head_dim, n = c.count, kvh = c.first / (tokens * (a->heads / a->kv_heads));
+    const int64_t offset = (block_id * a->kv_heads + kvh) * dim * 16;
+    float *scores = w->scores + c.scratch * stride + b * n * 16;
+    detinf_rows_scores16((int)n, w->tile + c.scratch * dim, a->k_cache, offset, dim, a->bf16, a->scale, scores);
 }
 
 /* Value pass of one chunk over block b. A block every row of the tile sees whole (b * 16 + 16 <=
@@ -189,8 +190,14 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
         min_keys = keys[i] < min_keys ? keys[i] : min_keys;
     }
     const int64_t stride = num_blocks * 16, first_chunk = kvh * per_head, end_chunk = first_chunk + per_head;
-    for (int64_t index = first_chunk; index < end_chunk; index++)
-        chunk_scores(a, table, num_blocks, r0, tokens, nth_chunk(per_kvh, index), stride, w);
+    for (int64_t index = first_chunk; index < end_chunk; index++) chunk_queries(a, r0, tokens, nth_chunk(per_kvh, index), w);
+    for (int64_t b = 0; b < num_blocks; b++) { /* every chunk while the block is in L1 */
+        const int64_t ahead = b + LOOKAHEAD_BLOCKS; /* near the end: the first value blocks */
+        if (ahead < num_blocks) prefetch_slice(a, table[ahead], kvh, 0);
+        else if (ahead - num_blocks < num_blocks) prefetch_slice(a, table[ahead - num_blocks], kvh, 1);
+        for (int64_t index = first_chunk; index < end_chunk; index++)
+            chunk_scores(a, table[b], b, tokens, nth_chunk(per_kvh, index), stride, w);
+    }
     for (int64_t index = first_chunk; index < end_chunk; index++) {
         const chunk c = nth_chunk(per_kvh, index);
         for (int64_t i = 0; i < c.count; i++) {

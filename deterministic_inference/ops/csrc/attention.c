@@ -122,13 +122,14 @@ static int rows_out_of_range(const int64_t *block_ids, int64_t num_ids, const in
     return 0;
 }
 
-/* Query tokens per tile on the fast path: enough that a tile's rows of one KV head fill two chunks of
-   MAX_SHARED_ROWS accumulators (SmolLM2, 3 heads per KV head: 8 tokens), which share each key and value
-   block while it is in L1, so a long context's cache is streamed once per 8 tokens rather than 4; at
-   least 1; `requested` (1..MAX_TILE_TOKENS) overrides it (tests, benchmarks). Speed only. */
+/* Query tokens per tile on the fast path: enough that a tile's rows of one KV head fill the
+   MAX_SHARED_ROWS accumulators (SmolLM2, 3 heads per KV head: 4 tokens), at least 1; `requested`
+   (1..MAX_TILE_TOKENS) overrides it (tests, benchmarks). The choice changes speed only. Two chunks per
+   tile (8 tokens here) stream a long context's cache half as often but double the scores' scratch; side
+   by side on the Intel machine neither was faster beyond the noise (6k prefill, threads 1), so one. */
 static int64_t tile_tokens(int64_t group, int64_t requested) {
     if (requested >= 1) return requested < MAX_TILE_TOKENS ? requested : MAX_TILE_TOKENS;
-    const int64_t fit = 2 * MAX_SHARED_ROWS / group;
+    const int64_t fit = MAX_SHARED_ROWS / group;
     return fit < 1 ? 1 : fit < MAX_TILE_TOKENS ? fit : MAX_TILE_TOKENS;
 }
 

@@ -136,12 +136,11 @@ static void chunk_queries(const attention_args *a, int64_t r0, int64_t tokens, c
     }
 }
 
-/* Key pass of one chunk over block b of the tile. Lanes past a row's last key are computed into its
-   scratch and never read. */
-static void chunk_scores(const attention_args *a, int64_t block_id, int64_t b, int64_t tokens, chunk c,
-                         int64_t stride, const workspace *w) {
-    const int64_t dim = a->head_dim, n = c.count, kvh = c.first / (tokens * (a->heads / a->kv_heads));
-    const int64_t offset = (block_id * a->kv_heads + kvh) * dim * 16;
+/* Key pass of one chunk over block b of the tile, whose keys of the chunk's KV head start at `offset`.
+   Lanes past a row's last key are computed into its scratch and never read. */
+static void chunk_scores(const attention_args *a, int64_t offset, int64_t b, chunk c, int64_t stride,
+                         const workspace *w) {
+    const int64_t dim = a->head_dim, n = c.count;
     float *scores = w->scores + c.scratch * stride + b * n * 16;
     detinf_rows_scores16((int)n, w->tile + c.scratch * dim, a->k_cache, offset, dim, a->bf16, a->scale, scores);
 }
@@ -190,13 +189,15 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
         min_keys = keys[i] < min_keys ? keys[i] : min_keys;
     }
     const int64_t stride = num_blocks * 16, first_chunk = kvh * per_head, end_chunk = first_chunk + per_head;
-    for (int64_t index = first_chunk; index < end_chunk; index++) chunk_queries(a, r0, tokens, nth_chunk(per_kvh, index), w);
+    for (int64_t index = first_chunk; index < end_chunk; index++)
+        chunk_queries(a, r0, tokens, nth_chunk(per_kvh, index), w);
     for (int64_t b = 0; b < num_blocks; b++) { /* every chunk while the block is in L1 */
         const int64_t ahead = b + LOOKAHEAD_BLOCKS; /* near the end: the first value blocks */
         if (ahead < num_blocks) prefetch_slice(a, table[ahead], kvh, 0);
         else if (ahead - num_blocks < num_blocks) prefetch_slice(a, table[ahead - num_blocks], kvh, 1);
+        const int64_t offset = (table[b] * a->kv_heads + kvh) * dim * 16;
         for (int64_t index = first_chunk; index < end_chunk; index++)
-            chunk_scores(a, table[b], b, tokens, nth_chunk(per_kvh, index), stride, w);
+            chunk_scores(a, offset, b, nth_chunk(per_kvh, index), stride, w);
     }
     for (int64_t index = first_chunk; index < end_chunk; index++) {
         const chunk c = nth_chunk(per_kvh, index);

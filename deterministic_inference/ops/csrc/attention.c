@@ -174,7 +174,10 @@ int detinf_attention(const float *q, const void *k_cache, const void *v_cache, i
     /* Work items (a tile on the fast path, with one of its KV heads; a row otherwise) are shared out
        between torch's OpenMP threads (the process's one libgomp, so no second thread pool); each item is
        computed whole by one thread, so the split never changes a bit. KV heads as separate items let a
-       single decoding sequence use every thread. */
+       single decoding sequence use every thread. Items go KV head by KV head (every tile of KV head 0,
+       then of head 1, ...): the threads' consecutive tiles then read the same keys and values, which
+       stay in L2; tile by tile, a long context's slices of all KV heads did not fit (SmolLM2 at 6k
+       tokens: 3 x 1.5 MB against a 4 MB L2; one 512-token chunk's attention 4.7% faster). */
     const int64_t items = fast ? tiles * kv_heads : tiles;
 #pragma omp parallel reduction(| : status)
     {
@@ -187,8 +190,8 @@ int detinf_attention(const float *q, const void *k_cache, const void *v_cache, i
             if (!ready) {
                 status |= 1;
             } else if (fast) {
-                const int64_t t = item / kv_heads;
-                detinf_attend_tile16(&a, starts[t], starts[t + 1] - starts[t], item % kv_heads, &w);
+                const int64_t t = item % tiles;
+                detinf_attend_tile16(&a, starts[t], starts[t + 1] - starts[t], item / tiles, &w);
             } else {
                 for (int64_t kvh = 0; kvh < kv_heads; kvh++) attend(&a, starts[item], kvh, &w);
             }

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from deterministic_inference.ops.ggml_types import BLOCK_GEOMETRY, GGMLType
 
 MAGIC = b"GGUF"
 _SCALARS = {  # GGUF value type -> struct format
@@ -28,7 +29,7 @@ _SCALARS = {  # GGUF value type -> struct format
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<?", 10: "<u8",
           11: "<i8", 12: "<f8"}  # fmt: skip
 _STRING, _ARRAY = 8, 9
-_DENSE = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+_DENSE = {GGMLType.F32: np.float32, GGMLType.F16: np.float16}
 
 
 class GGUFFormatError(ValueError):
@@ -41,7 +42,7 @@ class GGUFTensor:
     type: raw bytes uint8 [rows..., row_bytes])."""
 
     name: str
-    tensor_type: GGMLQuantizationType
+    tensor_type: GGMLType
     shape: tuple[int, ...]  # numpy order (the file's dims reversed)
     data: np.ndarray
 
@@ -132,12 +133,12 @@ def read_gguf(path: Path) -> GGUFFile:
     return GGUFFile(metadata, tensors)
 
 
-def _tensor_info(cursor: _Cursor) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
+def _tensor_info(cursor: _Cursor) -> tuple[str, tuple[int, ...], GGMLType, int]:
     name = cursor.string()
     dims = tuple(cursor.scalar(10) for _ in range(cursor.scalar(4)))
     kind, offset = cursor.scalar(4), cursor.scalar(10)
     try:
-        ggml_type = GGMLQuantizationType(kind)
+        ggml_type = GGMLType(kind)
     except ValueError:
         raise GGUFFormatError(f"tensor {name} has an unknown type id {kind}") from None
     return name, tuple(reversed(dims)), ggml_type, offset
@@ -148,10 +149,10 @@ def _tensor(
     data_start: int,
     name: str,
     shape: tuple[int, ...],
-    kind: GGMLQuantizationType,
+    kind: GGMLType,
     offset: int,  # from the data section's start
 ) -> GGUFTensor:
-    block_values, block_bytes = GGML_QUANT_SIZES[kind]
+    block_values, block_bytes = BLOCK_GEOMETRY[kind]
     if not shape or shape[-1] % block_values:
         raise GGUFFormatError(f"tensor {name}: {shape[-1:]} values per row is not whole {kind.name} blocks")
     row_bytes = shape[-1] // block_values * block_bytes

@@ -174,9 +174,11 @@ def _stored_tensor(tensor: GGUFTensor, shape: tuple[int, ...], quantization: str
         else:
             stored = torch.from_numpy(data).reshape(shape[0], -1)
             return QuantizedWeight(stored, fmt, (shape[0], shape[1]), file_mapped=True)
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    values = np.asarray(dequantize(data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+    values = np.asarray(dequantize(data, GGMLQuantizationType(int(tensor.tensor_type))), dtype=np.float32)
+    values = values.reshape(shape)
     return torch.from_numpy(values.copy())
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from deterministic_inference.errors import DetinfError
+from deterministic_inference.ops.ggml_types import BLOCK_GEOMETRY, GGMLType
 from deterministic_inference.ops.native import NativeKernels, native_kernels
 from deterministic_inference.ops.repack import X16, repacked
 
@@ -32,19 +33,13 @@ class BlockFormat:
     block_bytes: int
 
 
-FORMATS = {
-    f.name: f
-    for f in (
-        BlockFormat("Q4_0", 2, 32, 18),
-        BlockFormat("Q4_1", 3, 32, 20),
-        BlockFormat("Q5_0", 6, 32, 22),
-        BlockFormat("Q5_1", 7, 32, 24),
-        BlockFormat("Q8_0", 8, 32, 34),
-        BlockFormat("Q4_K", 12, 256, 144),
-        BlockFormat("Q5_K", 13, 256, 176),
-        BlockFormat("Q6_K", 14, 256, 210),
+FORMATS = {  # the block formats the kernels read as stored
+    kind.name: BlockFormat(kind.name, int(kind), *BLOCK_GEOMETRY[kind])
+    for kind in (
+        GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
+        GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
     )
-}
+}  # fmt: skip
 _BY_TYPE = {f.ggml_type: f for f in FORMATS.values()}
 _SUPPORTED = ", ".join(FORMATS)
 

@@ -16,7 +16,7 @@ from deterministic_inference.ops.native import NativeKernels
 from deterministic_inference.ops.quant import FORMATS, QuantizedWeight, QuantLinear
 from deterministic_inference.ops.quant_probe import random_weight
 from deterministic_inference.ops.repack import _library, give_back_superseded
-from deterministic_inference.ops.weights import RowOrdered
+from deterministic_inference.ops.weights import Embedding, RowOrdered
 from tests.ops.helpers import bits, num_threads
 from tests.ops.quant_reference import documented_output
 
@@ -142,3 +142,25 @@ def test_pages_read_again_after_repacking_are_given_back_once_the_model_is_built
     give_back_superseded([(mapped,), RowOrdered(weight, torch.arange(4096))])
     assert _resident_kib(data.data_ptr()) <= 64
     assert torch.equal(data, weight.data)
+
+
+def test_a_tied_table_read_from_the_map_only_by_lookups_gives_its_pages_back_after_each(
+    repacking: NativeKernels, tmp_path: Path
+) -> None:
+    """Once the logits GEMM reads a repacked copy, an embedding lookup faults in the rows it reads (and
+    the page cache's folio around them) and gives them back; the rows keep their bits. Negative control:
+    the same rows read without the give-back stay resident, so the check can fail."""
+    weight = random_weight("Q4_0", 4096, 2048, torch.Generator().manual_seed(11))
+    path = tmp_path / "weights.bin"
+    path.write_bytes(weight.data.numpy().tobytes())
+    with open(path, "rb") as handle:
+        region = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    data = torch.frombuffer(region, dtype=torch.uint8).view(weight.data.shape)
+    mapped = QuantizedWeight(data, weight.fmt, weight.shape, file_mapped=True)
+    QuantLinear(repacking, [mapped], bias=None, out_dtype=torch.float32)  # the tied head's repacked copy
+    ids = torch.arange(0, 4096, 64)  # 64 rows, one every 72 KiB
+    rows = Embedding(mapped, torch.float32)(ids)
+    assert torch.equal(bits(rows), bits(weight.dequantize(ids)))
+    assert _resident_kib(data.data_ptr()) <= 64
+    mapped.dequantize(ids)  # negative control: the lookup's read without its give-back
+    assert _resident_kib(data.data_ptr()) >= 64 * 4

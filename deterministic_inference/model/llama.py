@@ -180,6 +180,7 @@ class DecoderModel:
         """-> final-normed hidden states [T, hidden] in the model dtype. `fused=False` forces the per-op
         path (the fused one gives the same bits; tests compare them); a layer hook always takes it."""
         hidden = self.embed(input_ids)  # [T, hidden]
+        self.rotary.cover(positions)
         pending: torch.Tensor | None = None
         if fused and layer_hook is None and self.fused is not None:
             hidden, pending = self.fused(hidden, positions, meta, kv_caches, self.rotary)

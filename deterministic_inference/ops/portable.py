@@ -69,6 +69,20 @@ def inverse_frequencies(kernels: NativeKernels, theta: float, head_dim: int) -> 
     return out
 
 
+ANGLE_LIMIT = 2.0**20  # csrc/rotary_tables.c: the portable reduction's range for |angle|
+
+
+def check_rotary_range(inv_freq: torch.Tensor, positions: int) -> None:
+    """ValueError when the angles of `positions` positions reach the reduction's range: the kernel's own
+    guard (fp32(positions - 1) * inv_freq[j]), run before any table of that size is computed."""
+    last = torch.tensor(float(max(positions - 1, 0)), dtype=torch.float32)
+    largest = float((last * inv_freq.to(torch.float32)).abs().max())
+    if not largest < ANGLE_LIMIT:
+        raise ValueError(
+            f"rotary tables: angles of {positions} positions exceed the portable reduction's range (2^20)"
+        )
+
+
 def rotary_tables(
     kernels: NativeKernels, inv_freq: torch.Tensor, positions: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

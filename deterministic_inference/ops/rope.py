@@ -10,6 +10,8 @@ import torch
 from deterministic_inference.model.spec import RopeScaling
 from deterministic_inference.ops import portable
 
+INITIAL_POSITIONS = 4096  # rows of a portable table before its first growth (RotaryTable.cover)
+
 if TYPE_CHECKING:
     from deterministic_inference.ops.native import NativeKernels
 
@@ -41,12 +43,19 @@ def inverse_frequencies(
 
 
 class RotaryTable:
-    """cos/sin for every position up to `max_positions`, computed once in fp32.
+    """cos/sin for every position up to `max_positions`, in fp32.
 
     Why invariant: a token's rotation is read from the table by its absolute position, so it cannot
     depend on the batch, the chunk it arrives in, or whether it is computed in prefill or decode. With
     `kernels` (invariant mode) the tables come from the portable kernels (csrc/rotary_tables.c: our own
     pow, sin and cos), so they are also the same on every CPU; without, torch's cos / sin (ISA-dispatched).
+
+    Memory: the portable tables hold the first INITIAL_POSITIONS positions and `cover` grows them
+    (doubling) when a step reaches further: a 128k-context model's full tables are 64 MiB at head_dim 64,
+    resident from start-up though most requests are short. Each entry is a function of its (position,
+    frequency) alone, so a grown table's rows are the old rows bit for bit. torch's tables are computed
+    whole (its vectorised and scalar cos / sin may differ in the last bit, and which elements take which
+    path depends on the table's size).
     """
 
     def __init__(
@@ -57,16 +66,30 @@ class RotaryTable:
         scaling: RopeScaling | None,
         kernels: NativeKernels | None = None,
     ) -> None:
-        inv_freq = inverse_frequencies(head_dim, theta, scaling, kernels)  # [D/2]
+        self._inv_freq = inverse_frequencies(head_dim, theta, scaling, kernels)  # [D/2]
+        self._kernels = kernels
+        self.max_positions = max_positions
         if kernels is not None:
-            self.cos, self.sin = portable.rotary_tables(kernels, inv_freq, max_positions)  # [P, D] fp32
+            portable.check_rotary_range(self._inv_freq, max_positions)  # refuse now, not mid-request
+            size = min(max_positions, INITIAL_POSITIONS)
+            self.cos, self.sin = portable.rotary_tables(kernels, self._inv_freq, size)  # [P, D] fp32
         else:
             positions = torch.arange(max_positions, dtype=torch.int64).float()  # [P]
-            freqs = torch.outer(positions, inv_freq)  # [P, D/2]
+            freqs = torch.outer(positions, self._inv_freq)  # [P, D/2]
             angles = torch.cat((freqs, freqs), dim=-1)  # [P, D]
             self.cos = angles.cos()  # [P, D] fp32
             self.sin = angles.sin()  # [P, D] fp32
-        self.max_positions = max_positions
+
+    def cover(self, positions: torch.Tensor) -> None:
+        """Grow the tables so every position in `positions` [T] int64 has its row (up to max_positions;
+        a position beyond stays out of range, which the kernels refuse). Same rows, bit for bit."""
+        have = self.cos.shape[0]
+        if self._kernels is None or positions.numel() == 0 or have >= self.max_positions:
+            return
+        needed = int(positions.max()) + 1
+        if needed > have:
+            size = min(self.max_positions, max(needed, 2 * have))
+            self.cos, self.sin = portable.rotary_tables(self._kernels, self._inv_freq, size)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D] (any float dtype), positions: [T] int64 -> [T, heads, D] in x's dtype.

@@ -17,6 +17,7 @@ from deterministic_inference.ops import native_build, portable
 from deterministic_inference.ops.backend import NativeBackend, Numerics
 from deterministic_inference.ops.native import NativeKernels, load
 from deterministic_inference.ops.native_build import NativeBuildError, build
+from deterministic_inference.ops.rope import INITIAL_POSITIONS, RotaryTable
 from deterministic_inference.ops.selfcheck import torch_threads
 from tests.ops.helpers import bits
 
@@ -181,6 +182,7 @@ def test_rotary_tables_are_accurate_and_used_by_the_native_backend(kernels: Nati
     rounding of float64; the native backend's tables are these."""
     numerics = Numerics(dtype=torch.bfloat16, batch_invariant=True, tile_rows=4)
     table = NativeBackend(numerics, kernels).rotary_table(64, 500000.0, 8192, None)
+    table.cover(torch.tensor([8191]))  # grown to the whole range (test_rotary_table_grows_...)
     inv = portable.inverse_frequencies(kernels, 500000.0, 64)  # [32]
     exact = 1.0 / (500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
     assert float(((inv.double() - exact) / exact).abs().max()) < 2.0**-22
@@ -189,6 +191,30 @@ def test_rotary_tables_are_accurate_and_used_by_the_native_backend(kernels: Nati
     assert float((table.sin[:, 32:].double() - angles.sin()).abs().max()) < 6e-8
     assert torch.equal(bits(table.cos[:, :32]), bits(table.cos[:, 32:]))
     assert torch.equal(bits(table.sin), bits(portable.rotary_tables(kernels, inv, 8192)[1]))
+
+
+def test_rotary_table_grows_on_demand_with_the_whole_tables_rows(kernels: NativeKernels) -> None:
+    """A portable table starts at INITIAL_POSITIONS rows and `cover` grows it (doubling, capped at
+    max_positions) to rows bit for bit those of the table computed whole; a range the reduction cannot
+    take is refused when the table is made, not when a request reaches it. Negative control: the same
+    comparison one position off detects a difference."""
+    table = RotaryTable(64, 10000.0, 10_000, None, kernels=kernels)
+    assert table.cos.shape == (INITIAL_POSITIONS, 64)
+    table.cover(torch.tensor([3, INITIAL_POSITIONS - 1]))  # already covered: unchanged
+    assert table.cos.shape[0] == INITIAL_POSITIONS
+    table.cover(torch.tensor([7, INITIAL_POSITIONS + 5]))
+    assert table.cos.shape[0] == 2 * INITIAL_POSITIONS
+    table.cover(torch.tensor([9_999]))
+    assert table.cos.shape[0] == 10_000
+    whole_cos, whole_sin = portable.rotary_tables(
+        kernels, portable.inverse_frequencies(kernels, 10000.0, 64), 10_000
+    )
+    assert torch.equal(bits(table.cos), bits(whole_cos)) and torch.equal(bits(table.sin), bits(whole_sin))
+    assert not torch.equal(bits(table.cos[1:]), bits(whole_cos[:-1]))  # negative control
+    table.cover(torch.tensor([20_000]))  # beyond max_positions: left for the kernels' range check
+    assert table.cos.shape[0] == 10_000
+    with pytest.raises(ValueError, match="2\\^20"):
+        RotaryTable(64, 10000.0, 2_000_000, None, kernels=kernels)
 
 
 def test_backend_logprobs_are_the_samplers(kernels: NativeKernels) -> None:

@@ -97,16 +97,22 @@ def _resident_kib(address: int) -> int:
     raise AssertionError("no mapping holds the address")
 
 
-def test_a_file_mapped_weight_gives_its_pages_back_and_stays_readable(
-    repacking: NativeKernels, tmp_path: Path
-) -> None:
-    weight = random_weight("Q4_0", 4096, 2048, torch.Generator().manual_seed(8))  # 4.5 MiB
+def _file_mapped_q4_0(seed: int, tmp_path: Path) -> tuple[QuantizedWeight, torch.Tensor, QuantizedWeight]:
+    """A random 4096 x 2048 Q4_0 weight (4.5 MiB), its bytes as a view on a private map of a file (as the
+    GGUF loader maps files), and a file-mapped QuantizedWeight over that view."""
+    weight = random_weight("Q4_0", 4096, 2048, torch.Generator().manual_seed(seed))
     path = tmp_path / "weights.bin"
     path.write_bytes(weight.data.numpy().tobytes())
     with open(path, "rb") as handle:
-        region = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)  # as the GGUF loader maps files
+        region = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
     data = torch.frombuffer(region, dtype=torch.uint8).view(weight.data.shape)
-    mapped = QuantizedWeight(data, weight.fmt, weight.shape, file_mapped=True)
+    return weight, data, QuantizedWeight(data, weight.fmt, weight.shape, file_mapped=True)
+
+
+def test_a_file_mapped_weight_gives_its_pages_back_and_stays_readable(
+    repacking: NativeKernels, tmp_path: Path
+) -> None:
+    weight, data, mapped = _file_mapped_q4_0(8, tmp_path)
     assert int(data.sum()) == int(weight.data.sum())  # every page read: resident
     before = _resident_kib(data.data_ptr())
     linear = QuantLinear(repacking, [mapped], bias=None, out_dtype=torch.float32)
@@ -128,13 +134,7 @@ def test_pages_read_again_after_repacking_are_given_back_once_the_model_is_built
     """Faulting in a neighbour maps pages of a repacked tensor back in; give_back_superseded (called by
     the engine once every linear is built) drops them again, and only from repacked file-mapped
     weights (expert stacks included)."""
-    weight = random_weight("Q4_0", 4096, 2048, torch.Generator().manual_seed(10))
-    path = tmp_path / "weights.bin"
-    path.write_bytes(weight.data.numpy().tobytes())
-    with open(path, "rb") as handle:
-        region = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-    data = torch.frombuffer(region, dtype=torch.uint8).view(weight.data.shape)
-    mapped = QuantizedWeight(data, weight.fmt, weight.shape, file_mapped=True)
+    weight, data, mapped = _file_mapped_q4_0(10, tmp_path)
     QuantLinear(repacking, [mapped], bias=None, out_dtype=torch.float32)
     assert mapped.superseded and not weight.superseded  # only file-mapped weights are marked
     assert int(data.sum()) == int(weight.data.sum())  # read again: resident
@@ -150,13 +150,7 @@ def test_a_tied_table_read_from_the_map_only_by_lookups_gives_its_pages_back_aft
     """Once the logits GEMM reads a repacked copy, an embedding lookup faults in the rows it reads (and
     the page cache's folio around them) and gives them back; the rows keep their bits. Negative control:
     the same rows read without the give-back stay resident, so the check can fail."""
-    weight = random_weight("Q4_0", 4096, 2048, torch.Generator().manual_seed(11))
-    path = tmp_path / "weights.bin"
-    path.write_bytes(weight.data.numpy().tobytes())
-    with open(path, "rb") as handle:
-        region = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-    data = torch.frombuffer(region, dtype=torch.uint8).view(weight.data.shape)
-    mapped = QuantizedWeight(data, weight.fmt, weight.shape, file_mapped=True)
+    weight, data, mapped = _file_mapped_q4_0(11, tmp_path)
     QuantLinear(repacking, [mapped], bias=None, out_dtype=torch.float32)  # the tied head's repacked copy
     ids = torch.arange(0, 4096, 64)  # 64 rows, one every 72 KiB
     rows = Embedding(mapped, torch.float32)(ids)

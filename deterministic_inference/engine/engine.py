@@ -43,6 +43,7 @@ from deterministic_inference.engine.weight_update import swap_weights
 from deterministic_inference.errors import InvalidRequestError
 from deterministic_inference.model.loader import LoadedModel, load_model
 from deterministic_inference.ops.selfcheck import SelfCheckReport, run_selfcheck
+from deterministic_inference.workflow.artifacts import hash_file
 
 # layer_hook(step_id, layer_index, request_ids, rows_per_request, hidden [T, hidden])
 StepLayerHook = Callable[[int, int, list[str], list[int], torch.Tensor], None]
@@ -288,11 +289,8 @@ def artifacts_digest(paths: Sequence[Path]) -> str:
     """sha256 over the sorted (file name, file sha256) pairs of the model's artifacts."""
     outer = hashlib.sha256()
     for path in sorted(paths, key=lambda p: p.name):
-        inner = hashlib.sha256()
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                inner.update(block)
-        outer.update(f"{path.name}\0{inner.hexdigest()}\n".encode())
+        inner = hash_file(path, progress=False).removeprefix("sha256:")
+        outer.update(f"{path.name}\0{inner}\n".encode())
     return "sha256:" + outer.hexdigest()
 
 

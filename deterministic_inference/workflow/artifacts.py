@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from deterministic_inference.errors import WorkflowError
 
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 1 << 20  # small: the engine hashes in a side thread whose malloc arena keeps what it used
 PROGRESS_MIN_BYTES = 32 << 20  # files at least this big get a progress bar on stderr
 _HF_PATTERNS = ("*.safetensors", "*.json", "tokenizer.model", "*.jinja", "*.txt", "*.tiktoken")
 
@@ -85,24 +85,28 @@ def file_role(name: str) -> str:
     return "other"
 
 
-def hash_file(path: Path, label: str | None = None, stream: TextIO | None = None) -> str:
-    """``sha256:<hex>`` of a file, with a progress bar on stderr for big files."""
+def hash_file(
+    path: Path, label: str | None = None, stream: TextIO | None = None, *, progress: bool = True
+) -> str:
+    """``sha256:<hex>`` of a file, with a progress bar on stderr for big files (none with
+    `progress=False`). The file is read into one reused CHUNK_BYTES buffer."""
     try:
         size = path.stat().st_size
         handle = path.open("rb")
     except OSError as error:
         raise WorkflowError(f"{path}: cannot read ({error.strerror}); check the path") from None
     out = stream if stream is not None else sys.stderr
-    big = size >= PROGRESS_MIN_BYTES
+    big = progress and size >= PROGRESS_MIN_BYTES
     show = big and out.isatty()
     if big and not show:
         out.write(f"hashing {label or path.name} ({size >> 20} MiB)\n")
     digest = hashlib.sha256()
     done = 0
+    buffer = bytearray(CHUNK_BYTES)
     with handle:
-        while chunk := handle.read(CHUNK_BYTES):
-            digest.update(chunk)
-            done += len(chunk)
+        while count := handle.readinto(buffer):
+            digest.update(memoryview(buffer)[:count])
+            done += count
             if show:
                 _progress(out, label or path.name, done, size)
     if show:

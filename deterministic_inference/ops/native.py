@@ -276,6 +276,7 @@ def _declare_portable(library: ctypes.CDLL) -> None:
     signatures = {
         "detinf_rows": (None, [pointer, pointer, i64, i64, ctypes.c_int]),
         "detinf_inverse_frequencies": (None, [f64, i64, pointer]),
+        "detinf_rotary_out_of_range": (ctypes.c_int, [pointer, i64, i64]),
         "detinf_rotary_tables": (ctypes.c_int, [pointer, i64, i64, pointer, pointer]),
         "detinf_pack_f32": (None, [pointer, i64, i64, pointer]),
         "detinf_gemm_f32": (None, [pointer, i64, i64, pointer, i64, pointer, pointer]),

@@ -69,18 +69,15 @@ def inverse_frequencies(kernels: NativeKernels, theta: float, head_dim: int) -> 
     return out
 
 
-ANGLE_LIMIT = 2.0**20  # csrc/rotary_tables.c: the portable reduction's range for |angle|
+_RANGE_MESSAGE = "rotary tables: angles of {positions} positions exceed the portable reduction's range (2^20)"
 
 
-def check_rotary_range(inv_freq: torch.Tensor, positions: int) -> None:
-    """ValueError when the angles of `positions` positions reach the reduction's range: the kernel's own
-    guard (fp32(positions - 1) * inv_freq[j]), run before any table of that size is computed."""
-    last = torch.tensor(float(max(positions - 1, 0)), dtype=torch.float32)
-    largest = float((last * inv_freq.to(torch.float32)).abs().max())
-    if not largest < ANGLE_LIMIT:
-        raise ValueError(
-            f"rotary tables: angles of {positions} positions exceed the portable reduction's range (2^20)"
-        )
+def check_rotary_range(kernels: NativeKernels, inv_freq: torch.Tensor, positions: int) -> None:
+    """ValueError when the angles of `positions` positions exceed the portable reduction's range: the
+    tables' own guard (csrc/rotary_tables.c), run before any table of that size is computed."""
+    inv = inv_freq.to(torch.float32).contiguous()
+    if kernels.library.detinf_rotary_out_of_range(inv.data_ptr(), positions, 2 * inv.shape[0]):
+        raise ValueError(_RANGE_MESSAGE.format(positions=positions))
 
 
 def rotary_tables(
@@ -94,9 +91,7 @@ def rotary_tables(
     library = kernels.library
     status = library.detinf_rotary_tables(inv.data_ptr(), positions, dim, cos.data_ptr(), sin.data_ptr())
     if status != 0:
-        raise ValueError(
-            f"rotary tables: angles of {positions} positions exceed the portable reduction's range (2^20)"
-        )
+        raise ValueError(_RANGE_MESSAGE.format(positions=positions))
     return cos, sin
 
 

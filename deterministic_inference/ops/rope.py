@@ -70,7 +70,7 @@ class RotaryTable:
         self._kernels = kernels
         self.max_positions = max_positions
         if kernels is not None:
-            portable.check_rotary_range(self._inv_freq, max_positions)  # refuse now, not mid-request
+            portable.check_rotary_range(kernels, self._inv_freq, max_positions)  # refuse now, not mid-request
             size = min(max_positions, INITIAL_POSITIONS)
             self.cos, self.sin = portable.rotary_tables(kernels, self._inv_freq, size)  # [P, D] fp32
         else:

@@ -19,16 +19,23 @@ void detinf_inverse_frequencies(double theta, int64_t dim, float *out) {
     }
 }
 
-/* inv_freq [dim / 2] fp32 -> cos_out, sin_out [positions, dim] fp32: angle(p, j) = fp32(p) * inv_freq[j]
-   (one fp32 product), written at columns j and j + dim / 2 (rotate-half layout). Returns 1 without
-   writing when an angle is too large for the reduction (|angle| >= 2^20), else 0. */
-int detinf_rotary_tables(const float *inv_freq, int64_t positions, int64_t dim, float *cos_out,
-                         float *sin_out) {
-    const int64_t half = dim / 2;
-    for (int64_t j = 0; j < half; j++) {
+/* 1 when an angle of the first `positions` positions is too large for the reduction (|angle| >= 2^20,
+   or NaN), else 0: the tables' own guard, callable before a table of that size is made. */
+int detinf_rotary_out_of_range(const float *inv_freq, int64_t positions, int64_t dim) {
+    for (int64_t j = 0; j < dim / 2; j++) {
         const float largest = (float)(positions > 0 ? positions - 1 : 0) * inv_freq[j];
         if (!(largest < 0x1p20f && largest > -0x1p20f)) return 1;
     }
+    return 0;
+}
+
+/* inv_freq [dim / 2] fp32 -> cos_out, sin_out [positions, dim] fp32: angle(p, j) = fp32(p) * inv_freq[j]
+   (one fp32 product), written at columns j and j + dim / 2 (rotate-half layout). Returns 1 without
+   writing when an angle is too large for the reduction (detinf_rotary_out_of_range), else 0. */
+int detinf_rotary_tables(const float *inv_freq, int64_t positions, int64_t dim, float *cos_out,
+                         float *sin_out) {
+    const int64_t half = dim / 2;
+    if (detinf_rotary_out_of_range(inv_freq, positions, dim)) return 1;
 #pragma omp parallel for schedule(static) if (positions * dim >= ((int64_t)1 << 16))
     for (int64_t p = 0; p < positions; p++) {
         for (int64_t j = 0; j < half; j++) {

@@ -53,6 +53,21 @@ void detinf_repack(int64_t format, const uint8_t *src, const int64_t *row_order,
     }
 }
 
+#if defined(DETINF_Q_AVX512)
+static inline __m512 x16_halves(const uint8_t *at) { /* 16 fp16 numbers as fp32 (exact) */
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
+}
+#endif
+
+/* One unit's 16 fp16 fields at `at` -> 16 fp32 at out (exact conversions, so any path gives the same). */
+static inline void x16_fields_f32(const uint8_t *at, float *out) {
+#if defined(DETINF_Q_AVX512)
+    _mm512_storeu_ps(out, x16_halves(at)); /* GCC left this as 16 scalar conversions */
+#else
+    for (int c = 0; c < QCOLS; c++) out[c] = f16_to_f32(load_u16(at + 2 * c));
+#endif
+}
+
 /* Units [u0, u0 + units) of one 16-column panel (B blocks) into p: the bytes unpack_chunk writes for the
    stored format. */
 void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0, int64_t units, qpanel *p) {
@@ -60,10 +75,8 @@ void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0
     const uint8_t *qs = panel + X16_FIELD_BYTES * fields * blocks;
     for (int64_t u = 0; u < units; u++) {
         const uint8_t *d = panel + X16_FIELD_BYTES * (u0 + u), *m = d + X16_FIELD_BYTES * blocks;
-        for (int c = 0; c < QCOLS; c++) {
-            p->d[u * QCOLS + c] = f16_to_f32(load_u16(d + 2 * c));
-            if (fields == 2) p->m[u * QCOLS + c] = f16_to_f32(load_u16(m + 2 * c));
-        }
+        x16_fields_f32(d, p->d + u * QCOLS);
+        if (fields == 2) x16_fields_f32(m, p->m + u * QCOLS);
         const uint8_t *q = qs + X16_QS_BYTES * (u0 + u);
         uint8_t *w = p->w + u * UNIT_BYTES;
         for (int i = 0; i < X16_QS_BYTES; i++) {
@@ -74,10 +87,6 @@ void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0
 }
 
 #if defined(DETINF_Q_AVX512)
-
-static inline __m512 x16_halves(const uint8_t *at) { /* 16 fp16 numbers as fp32 (exact) */
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
-}
 
 /* Rows [0, R) x one panel, every block; acc rows of ACC_COLS floats (quant.h's sequence for the format:
    acc = fmaf(d_b * dx_b, (float)isum_b, acc), then for Q4_1 acc = fmaf(m_b * dx_b, (float)sx_b, acc)). */

@@ -151,7 +151,7 @@ static uint32_t *batch_amax(const xquant *xq, const void *x, int64_t m, int x_bf
    each row is quantized whole, from its own values, by one thread. */
 void xquant_rows(xquant *xq, const void *x, int64_t m, int x_bf16, int batch_scale) {
     uint32_t *shared = batch_scale ? batch_amax(xq, x, m, x_bf16) : NULL;
-#pragma omp parallel for schedule(static) if (m * xq->k >= (int64_t)1 << 16)
+#pragma omp parallel for schedule(static) if (m * xq->k >= (int64_t)1 << 14)
     for (int64_t r = 0; r < m; r++) quantize_row(xq, x, r, x_bf16, shared);
     free(shared);
 }

@@ -38,6 +38,7 @@ from deterministic_inference.engine.setup import (
     keep_freed_memory,
     release_freed_memory,
     resolve_dtype,
+    return_freed_memory,
 )
 from deterministic_inference.engine.weight_update import swap_weights
 from deterministic_inference.errors import InvalidRequestError
@@ -64,7 +65,7 @@ class Engine:
     ):
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        keep_freed_memory()
+        return_freed_memory()  # until the load and self-check are done (then keep_freed_memory)
         self.config = config
         self.loaded = loaded if loaded is not None else load_model(config.model, config.quantization)
         self.tokenizer = self.loaded.tokenizer
@@ -109,7 +110,8 @@ class Engine:
         self.limits = AdmissionLimits(
             self.spec.vocab_size, self.max_model_len, config.kv_block_size, num_blocks
         )
-        release_freed_memory()  # the load's and the self-check's temporaries
+        keep_freed_memory()
+        release_freed_memory()  # whatever the load and the self-check left in the heap
         self.record_trace = record_trace
         self.trace: list[StepPlan] = []
         self._parents: dict[str, ParentRequest] = {}  # unfinished requests by id

@@ -25,6 +25,7 @@ DEFAULT_KV_CACHE_BYTES = 2 << 30  # KV pool cap when neither num_kv_blocks nor k
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD = 32 << 20  # glibc's largest accepted value on 64-bit
 _TRIM_THRESHOLD = 1 << 30
+_START_UP_THRESHOLD = 256 << 10  # both thresholds while the engine starts (see return_freed_memory)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -35,13 +36,29 @@ def cpu_has_native_bf16() -> bool:
 
 
 def keep_freed_memory() -> bool:
-    """Ask glibc to keep freed memory for reuse instead of returning it to the OS.
+    """Ask glibc to keep freed memory for reuse instead of returning it to the OS (for serving).
 
     Each step allocates temporaries of a few MB (activations of a 512-token chunk, a logits batch).
     By default glibc serves those with mmap and unmaps them on free, so every step pays page faults on
     fresh pages (measured: ~20% of a prefill step). Raising the mmap and trim thresholds keeps them
     in the heap. Process-wide, like the thread count; changes speed only, never a value. Returns False
     where the C library has no mallopt (not glibc)."""
+    return _set_malloc_thresholds(_MMAP_THRESHOLD, _TRIM_THRESHOLD)
+
+
+def return_freed_memory() -> bool:
+    """Ask glibc to give freed memory back at once (while the engine starts): every allocation above
+    256 KiB gets its own mapping, unmapped when freed, and the heap's free top is trimmed on free.
+
+    The start-up self-check's temporaries then leave nothing resident beside the weights: with the
+    serving thresholds its largest ones (the logits of 33 probe rows: 6.5 MB for a 49k vocabulary) stayed
+    in the heap until the final trim, on top of the peak. Fixed thresholds also stop glibc's own
+    adjustment, which raises the mmap threshold to the size of the first large block freed. Speed only
+    (a start-up's few hundred extra page faults), never a value; False where there is no mallopt."""
+    return _set_malloc_thresholds(_START_UP_THRESHOLD, _START_UP_THRESHOLD)
+
+
+def _set_malloc_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:
     name = ctypes.util.find_library("c")
     if name is None:
         return False
@@ -50,8 +67,8 @@ def keep_freed_memory() -> bool:
     if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    mmap_set = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
-    return bool(mmap_set) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+    mmap_set = mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
+    return bool(mmap_set) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
 
 
 def release_freed_memory() -> bool:

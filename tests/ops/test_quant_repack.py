@@ -1,8 +1,8 @@
-"""Q4_0 and Q4_1 repacked at load (ops/repack.py, csrc/quant_repack.c): the GEMM over the repacked copy
+"""Q4_0, Q4_1 and Q8_0 repacked at load (ops/repack.py, csrc/quant_repack.c): the GEMM over the repacked copy
 gives the stored layout's bits for every row count, row order, part mix and thread count; a file-mapped
 weight's pages are given back while its bytes stay readable. Row, thread and build invariance of the
-repacked path run in test_quant_invariance.py (its Q4_0 / Q4_1 cases are repacked on builds that
-repack)."""
+repacked path run in test_quant_invariance.py (its Q4_0 / Q4_1 / Q8_0 cases are repacked on builds
+that repack)."""
 
 from __future__ import annotations
 
@@ -21,13 +21,14 @@ from tests.ops.helpers import bits, num_threads
 from tests.ops.quant_reference import documented_output
 
 K = 1280  # 40 blocks: 2.5 chunks of 16 units (the many-row path's last chunk is partial)
+REPACKED = ("Q4_0", "Q4_1", "Q8_0")
 
 
 @pytest.fixture(scope="module")
 def repacking(kernels: NativeKernels) -> NativeKernels:
-    """The default build; these tests need one that repacks Q4_0 and Q4_1 (the AVX-512 VNNI build)."""
-    if not all(_library(kernels).detinf_quant_repacks(FORMATS[name].ggml_type) for name in ("Q4_0", "Q4_1")):
-        pytest.skip("this build reads Q4_0 and Q4_1 as stored (no AVX-512 VNNI)")
+    """The default build; these tests need one that repacks Q4_0, Q4_1 and Q8_0 (the AVX-512 VNNI build)."""
+    if not all(_library(kernels).detinf_quant_repacks(FORMATS[name].ggml_type) for name in REPACKED):
+        pytest.skip("this build reads Q4_0, Q4_1 and Q8_0 as stored (no AVX-512 VNNI)")
     return kernels
 
 
@@ -46,7 +47,7 @@ def test_repacked_parts_give_the_stored_bits(repacking: NativeKernels, out_dtype
     bias = torch.randn(160, generator=torch.Generator().manual_seed(4))
     repacked = QuantLinear(repacking, parts, bias=bias, out_dtype=out_dtype, row_orders=orders)
     stored = QuantLinear(repacking, parts, bias=bias, out_dtype=out_dtype, row_orders=orders, repack=False)
-    assert (repacked.repacked_parts, stored.repacked_parts) == (3, 0)
+    assert (repacked.repacked_parts, stored.repacked_parts) == (4, 0)
     x = torch.randn(9, K, generator=torch.Generator().manual_seed(5)).bfloat16()
     for threads in (1, 2):
         with num_threads(threads):
@@ -54,7 +55,7 @@ def test_repacked_parts_give_the_stored_bits(repacking: NativeKernels, out_dtype
                 assert torch.equal(bits(repacked(x[:rows])), bits(stored(x[:rows]))), (threads, rows)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("name", REPACKED)
 def test_repacked_parts_are_the_documented_sequence(repacking: NativeKernels, name: str) -> None:
     weight = random_weight(name, 80, K, torch.Generator().manual_seed(6))
     x = torch.randn(6, K, generator=torch.Generator().manual_seed(7))
@@ -66,8 +67,10 @@ def test_repacked_parts_are_the_documented_sequence(repacking: NativeKernels, na
 
 @pytest.mark.parametrize(
     ("part", "byte"),
-    [(0, 0), (1, 2 * (K // 32) * 16 + 2)],  # Q4_0: block 0's scale, column 0; Q4_1: block 0's min, column 1
-    ids=["q4_0-scale", "q4_1-min"],
+    # Q4_0: block 0's scale, column 0; Q8_0: block 0's first quant byte, column 0 (past its K / 32 fields of
+    # 32 bytes); Q4_1: block 0's min, column 1
+    [(0, 0), (1, (K // 32) * 32), (2, 2 * (K // 32) * 16 + 2)],
+    ids=["q4_0-scale", "q8_0-quant", "q4_1-min"],
 )
 def test_negative_control_a_damaged_repacked_copy_is_detected(
     repacking: NativeKernels, part: int, byte: int
@@ -78,7 +81,7 @@ def test_negative_control_a_damaged_repacked_copy_is_detected(
     fp32 = torch.float32
     repacked = QuantLinear(repacking, parts, bias=None, out_dtype=fp32, row_orders=orders)
     stored = QuantLinear(repacking, parts, bias=None, out_dtype=fp32, row_orders=orders, repack=False)
-    repacked._repacked[part].view(-1)[byte] ^= 0x01  # the field's lowest mantissa bit
+    repacked._repacked[part].view(-1)[byte] ^= 0x01  # the lowest bit: a field's mantissa, or a quant value
     x = torch.randn(6, K, generator=torch.Generator().manual_seed(5))
     for rows in (1, 6):
         assert not torch.equal(bits(repacked(x[:rows])), bits(stored(x[:rows]))), rows

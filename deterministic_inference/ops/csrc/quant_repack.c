@@ -1,42 +1,49 @@
-/* Q4_0 and Q4_1 weights repacked once at load into 16-column panels (formats Q4_0_X16, Q4_1_X16), so the
-   GEMM reads them in the order VPDPBUSD consumes them instead of transposing 16 rows' blocks on every call.
+/* Q4_0, Q4_1 and Q8_0 weights repacked once at load into 16-column panels (formats Q4_0_X16, Q4_1_X16,
+   Q8_0_X16), so the GEMM reads them in the order VPDPBUSD consumes them instead of transposing 16 rows'
+   blocks on every call.
 
    LAYOUT of a part with N output columns (N a multiple of 16) of K = 32 * B values: panel p holds output
    columns 16p .. 16p + 15 (after the row order) in 16 * row_bytes bytes (the repacked part is exactly as
-   large as the stored one). With H = 1 (Q4_0: d) or 2 (Q4_1: d, m) fp16 fields per block:
-     fields [H][B][16] fp16   field f of column c's block b at 32 (f B + b) + 2 c
-     qs     [B][4][16][4] u8  at 32 H B + 256 b + 64 t + 4 c + j: byte 4 t + j of column c's 16 quant bytes
-   A byte still holds value 4 t + j in its low nibble and value 16 + 4 t + j in its high nibble, so the
-   low nibbles of the 64 bytes at t are group t of the unpacked unit and the high nibbles group t + 4.
+   large as the stored one). With H = 1 (Q4_0, Q8_0: d) or 2 (Q4_1: d, m) fp16 fields per block and
+   Q = 16 (Q4_0, Q4_1) or 32 (Q8_0) quant bytes per column and block:
+     fields [H][B][16] fp16       field f of column c's block b at 32 (f B + b) + 2 c
+     qs     [B][Q/4][16][4] u8    at 32 H B + 16 Q b + 64 t + 4 c + j: byte 4 t + j of column c's Q bytes
+   Q4_0 / Q4_1: a byte still holds value 4 t + j in its low nibble and value 16 + 4 t + j in its high
+   nibble, so the low nibbles of the 64 bytes at t are group t of the unpacked unit and the high nibbles
+   group t + 4. Q8_0: a byte holds value 4 t + j plus 128 (its sign bit flipped), the unsigned integer the
+   unpacked unit holds, so the 64 bytes at t are group t as they are.
 
-   Only integers move: each output is still the float sequence of quant.h for Q4_0 / Q4_1 (blocks
+   Only integers move: each output is still the float sequence of quant.h for the format (blocks
    ascending, the same operations), so a repacked part gives the stored part's bits; builds that do not
    repack (detinf_quant_repacks) read the stored layout and give the same bits too. */
 
 #include "quant512.h"
 
 #define X16_FIELD_BYTES 32 /* one fp16 field of one block, 16 columns */
-#define X16_QS_BYTES 256   /* one block's quant bytes, 16 columns x 16 */
+#define X16_QS_BYTES 256   /* one 4-bit block's quant bytes, 16 columns x 16 (Q8_0: twice as many) */
 
 static int x16_fields(int64_t format) { return format == Q4_1 ? 2 : 1; }
+static int64_t x16_qs_bytes(int64_t format) { return format == Q8_0 ? 2 * X16_QS_BYTES : X16_QS_BYTES; }
 
-/* 1 when this build reads `format` faster repacked (the AVX-512 few-row path), else 0. */
+/* 1 when this build reads `format` faster repacked (the AVX-512 paths), else 0. */
 int detinf_quant_repacks(int64_t format) {
 #if defined(DETINF_Q_AVX512)
-    return format == Q4_0 || format == Q4_1;
+    return format == Q4_0 || format == Q4_1 || format == Q8_0;
 #else
     (void)format;
     return 0;
 #endif
 }
 
-/* Output columns [col0, col0 + cols) (multiples of 16) of a stored Q4_0 / Q4_1 part -> their panels in
-   dst (the whole repacked part; panel p at 16 p row_bytes). Column j reads stored row row_order[j]
+/* Output columns [col0, col0 + cols) (multiples of 16) of a stored Q4_0 / Q4_1 / Q8_0 part -> their panels
+   in dst (the whole repacked part; panel p at 16 p row_bytes). Column j reads stored row row_order[j]
    (NULL: j). */
 void detinf_repack(int64_t format, const uint8_t *src, const int64_t *row_order, int64_t row_bytes, int64_t col0,
                    int64_t cols, uint8_t *dst) {
     const int fields = x16_fields(format);
     const int64_t block_bytes = format_block_bytes(format), blocks = row_bytes / block_bytes;
+    const int64_t qs_bytes = x16_qs_bytes(format);
+    const uint8_t flip = format == Q8_0 ? 0x80 : 0; /* Q8_0: q + 128, the unsigned integer VPDPBUSD reads */
     for (int64_t panel = col0 / QCOLS; panel < (col0 + cols) / QCOLS; panel++) {
         uint8_t *head = dst + panel * QCOLS * row_bytes, *qs = head + X16_FIELD_BYTES * fields * blocks;
         for (int c = 0; c < QCOLS; c++) {
@@ -46,8 +53,9 @@ void detinf_repack(int64_t format, const uint8_t *src, const int64_t *row_order,
                 const uint8_t *block = row + block_bytes * b;
                 for (int f = 0; f < fields; f++)
                     memcpy(head + X16_FIELD_BYTES * (f * blocks + b) + 2 * c, block + 2 * f, 2);
-                for (int t = 0; t < 4; t++)
-                    memcpy(qs + X16_QS_BYTES * b + 64 * t + 4 * c, block + 2 * fields + 4 * t, 4);
+                for (int t = 0; t < qs_bytes / 64; t++)
+                    for (int j = 0; j < 4; j++)
+                        qs[qs_bytes * b + 64 * t + 4 * c + j] = block[2 * fields + 4 * t + j] ^ flip;
             }
         }
     }
@@ -73,12 +81,17 @@ static inline void x16_fields_f32(const uint8_t *at, float *out) {
 void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0, int64_t units, qpanel *p) {
     const int fields = x16_fields(format);
     const uint8_t *qs = panel + X16_FIELD_BYTES * fields * blocks;
+    const int64_t qs_bytes = x16_qs_bytes(format);
     for (int64_t u = 0; u < units; u++) {
         const uint8_t *d = panel + X16_FIELD_BYTES * (u0 + u), *m = d + X16_FIELD_BYTES * blocks;
         x16_fields_f32(d, p->d + u * QCOLS);
         if (fields == 2) x16_fields_f32(m, p->m + u * QCOLS);
-        const uint8_t *q = qs + X16_QS_BYTES * (u0 + u);
+        const uint8_t *q = qs + qs_bytes * (u0 + u);
         uint8_t *w = p->w + u * UNIT_BYTES;
+        if (format == Q8_0) { /* already the unit's bytes (UNIT_BYTES of them) */
+            memcpy(w, q, UNIT_BYTES);
+            continue;
+        }
         for (int i = 0; i < X16_QS_BYTES; i++) {
             w[i] = q[i] & 15;
             w[X16_QS_BYTES + i] = q[i] >> 4;
@@ -135,12 +148,41 @@ INLINE void fused_x16(const uint8_t *panel, const xquant *xq, const int R, const
     for (int r = 0; r < R; r++) _mm512_storeu_ps(acc + r * ACC_COLS, f[r]);
 }
 
-/* Rows [0, m) (m <= FUSED_ROWS) of one repacked panel of `format` (Q4_0 or Q4_1); acc [m][ACC_COLS] at
-   the panel's first column. Each row count and format with its constants folded. */
+/* Q8_0 rows [0, R) x one panel (quant.h: acc = fmaf(d_b * dx_b, (float)isum_b, acc)); the stored bytes
+   are q + 128, so isum_b = sum (q + 128) x - 128 sx_b, exact in int32 like every dot product here. */
+INLINE void fused_x16_q8(const uint8_t *panel, const xquant *xq, const int R, float *acc) {
+    const int64_t k = xq->k, blocks = k / UNIT, qs_bytes = 2 * X16_QS_BYTES;
+    const uint8_t *d = panel, *qs = panel + X16_FIELD_BYTES * blocks;
+    __m512 f[FUSED_ROWS];
+    for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *q = qs + qs_bytes * b;
+        for (int line = 0; line < qs_bytes; line += 64) /* 16 blocks ahead, as fused_x16 */
+            _mm_prefetch((const char *)(q + 16 * qs_bytes + line), _MM_HINT_T0);
+        if (b % 2 == 0) _mm_prefetch((const char *)(d + X16_FIELD_BYTES * b + 512), _MM_HINT_T0);
+        const __m512 scale = x16_halves(d + X16_FIELD_BYTES * b);
+        __m512i w[8]; /* group t: values 4t..4t+3 (+ 128) of every column */
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) w[t] = _mm512_loadu_si512(q + 64 * t);
+        for (int r = 0; r < R; r++) {
+            const int8_t *x = xq->q + r * k + b * UNIT;
+            __m512i isum = _mm512_set1_epi32(-128 * xq->s32[r * blocks + b]);
+#pragma GCC unroll 8
+            for (int t = 0; t < 8; t++) isum = _mm512_dpbusd_epi32(isum, w[t], x_word(x + 4 * t));
+            const __m512 dx = _mm512_set1_ps(xq->d[r * blocks + b]);
+            f[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, dx), as_float(isum), f[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(acc + r * ACC_COLS, f[r]);
+}
+
+/* Rows [0, m) (m <= FUSED_ROWS) of one repacked panel of `format` (Q4_0, Q4_1 or Q8_0); acc [m][ACC_COLS]
+   at the panel's first column. Each row count and format with its constants folded. */
 void fused_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, float *acc) {
 #define DETINF_X16(rows_)                                                          \
     case rows_:                                                                    \
         if (format == Q4_1) fused_x16(panel, xq, rows_, 1, acc);                  \
+        else if (format == Q8_0) fused_x16_q8(panel, xq, rows_, acc);              \
         else fused_x16(panel, xq, rows_, 0, acc);                                  \
         break;
     switch (m) {

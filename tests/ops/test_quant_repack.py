@@ -1,8 +1,8 @@
-"""Q4_0, Q4_1 and Q8_0 repacked at load (ops/repack.py, csrc/quant_repack.c): the GEMM over the repacked copy
-gives the stored layout's bits for every row count, row order, part mix and thread count; a file-mapped
-weight's pages are given back while its bytes stay readable. Row, thread and build invariance of the
-repacked path run in test_quant_invariance.py (its Q4_0 / Q4_1 / Q8_0 cases are repacked on builds
-that repack)."""
+"""Q4_0, Q4_1, Q8_0, Q4_K and Q5_K repacked at load (ops/repack.py, csrc/quant_repack.c): the GEMM over
+the repacked copy gives the stored layout's bits for every row count, row order, part mix and thread
+count; a file-mapped weight's pages are given back while its bytes stay readable. Row, thread and build
+invariance of the repacked path run in test_quant_invariance.py (its cases in these formats are repacked
+on builds that repack)."""
 
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ from tests.ops.helpers import bits, num_threads
 from tests.ops.quant_reference import documented_output
 
 K = 1280  # 40 blocks: 2.5 chunks of 16 units (the many-row path's last chunk is partial)
-REPACKED = ("Q4_0", "Q4_1", "Q8_0")
+REPACKED = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K")
 
 
 @pytest.fixture(scope="module")
 def repacking(kernels: NativeKernels) -> NativeKernels:
-    """The default build; these tests need one that repacks Q4_0, Q4_1 and Q8_0 (the AVX-512 VNNI build)."""
+    """The default build; these tests need one that repacks REPACKED (the AVX-512 VNNI build)."""
     if not all(_library(kernels).detinf_quant_repacks(FORMATS[name].ggml_type) for name in REPACKED):
-        pytest.skip("this build reads Q4_0, Q4_1 and Q8_0 as stored (no AVX-512 VNNI)")
+        pytest.skip("this build reads these formats as stored (no AVX-512 VNNI)")
     return kernels
 
 
@@ -83,6 +83,27 @@ def test_negative_control_a_damaged_repacked_copy_is_detected(
     stored = QuantLinear(repacking, parts, bias=None, out_dtype=fp32, row_orders=orders, repack=False)
     repacked._repacked[part].view(-1)[byte] ^= 0x01  # the lowest bit: a field's mantissa, or a quant value
     x = torch.randn(6, K, generator=torch.Generator().manual_seed(5))
+    for rows in (1, 6):
+        assert not torch.equal(bits(repacked(x[:rows])), bits(stored(x[:rows]))), rows
+
+
+@pytest.mark.parametrize(
+    ("name", "byte"),
+    # piece 0 holds each column's d, dmin and scales: byte 0 is column 0's d (lowest mantissa bit); piece 1
+    # (at 256) starts column 0's first quant bytes (Q4_K) or fifth bits (Q5_K)
+    [("Q4_K", 0), ("Q4_K", 256), ("Q5_K", 256)],
+    ids=["q4_k-d", "q4_k-quant", "q5_k-high-bits"],
+)
+def test_negative_control_a_damaged_repacked_k_panel_is_detected(
+    repacking: NativeKernels, name: str, byte: int
+) -> None:
+    """The same for the K formats' transposed pieces: one changed bit shows in both paths."""
+    weight = random_weight(name, 32, K, torch.Generator().manual_seed(8))
+    repacked = QuantLinear(repacking, [weight], bias=None, out_dtype=torch.float32)
+    stored = QuantLinear(repacking, [weight], bias=None, out_dtype=torch.float32, repack=False)
+    x = torch.randn(6, K, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(bits(repacked(x)), bits(stored(x)))  # the same bits before the damage
+    repacked._repacked[0].view(-1)[byte] ^= 0x01
     for rows in (1, 6):
         assert not torch.equal(bits(repacked(x[:rows])), bits(stored(x[:rows]))), rows
 

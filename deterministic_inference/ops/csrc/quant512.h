@@ -53,6 +53,29 @@ INLINE void transpose32(const uint8_t *const *rows, int64_t off, __m512i *out) {
     transpose16(rows, off + 16, out + 4);
 }
 
+/* Where a K-format half panel's 16 columns are read from: their stored rows, or (panel != NULL) a repacked
+   panel (quant_repack.c) that keeps every 16-byte piece of the rows already transposed: piece P, the
+   4 vectors transpose16 makes of bytes 16P..16P+15, at panel + 256 P. */
+typedef struct {
+    const uint8_t *const *rows;
+    const uint8_t *panel;
+} qsrc;
+
+/* transpose16 of bytes [off, off + 16) (off a multiple of 16) from either source: the same vectors */
+INLINE void piece16(const qsrc *src, int64_t off, __m512i *out) {
+    if (!src->panel) {
+        transpose16(src->rows, off, out);
+        return;
+    }
+#pragma GCC unroll 4
+    for (int a = 0; a < 4; a++) out[a] = _mm512_loadu_si512(src->panel + 16 * off + 64 * a);
+}
+
+INLINE void piece32(const qsrc *src, int64_t off, __m512i *out) {
+    piece16(src, off, out);
+    piece16(src, off + 16, out + 4);
+}
+
 INLINE __m512i x_word(const int8_t *x) { /* 4 activation bytes broadcast to every lane */
     int32_t word;
     memcpy(&word, x, sizeof word);
@@ -154,9 +177,9 @@ INLINE void pair_unit(int64_t format, const __m512i *d, int i, __m512i *g, __m51
 
 /* Q4_K / Q5_K scales of the super-block at byte base (d, dmin, 12 bytes of 6-bit scales and mins) into
    p's super-block sb: d, m (= dmin), sc[8], mn[8] of 16 columns. */
-INLINE void q45k_scales(const uint8_t *const *rows, int64_t base, int64_t sb, qpanel *p) {
+INLINE void q45k_scales(const qsrc *src, int64_t base, int64_t sb, qpanel *p) {
     __m512i t[4];
-    transpose16(rows, base, t);
+    piece16(src, base, t);
     const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15), two = _mm512_set1_epi32(3);
     _mm512_storeu_ps(p->d + sb * QCOLS, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(t[0])));
     _mm512_storeu_ps(p->m + sb * QCOLS, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(t[0], 16))));
@@ -188,9 +211,9 @@ INLINE void q6k_scales(const uint8_t *const *rows, int64_t base, int64_t sb, qpa
 }
 
 /* Q5_K's fifth bits (32 bytes at base + 16: bit j of byte l is value l of sub-block j), zero for Q4_K */
-INLINE void q45k_high_bits(int64_t format, const uint8_t *const *rows, int64_t base, __m512i *qh) {
+INLINE void q45k_high_bits(int64_t format, const qsrc *src, int64_t base, __m512i *qh) {
     if (format == Q5_K) {
-        transpose32(rows, base + 16, qh);
+        piece32(src, base + 16, qh);
         return;
     }
 #pragma GCC unroll 8
@@ -199,8 +222,8 @@ INLINE void q45k_high_bits(int64_t format, const uint8_t *const *rows, int64_t b
 
 /* Q4_K / Q5_K: the nibble bytes 32t..32t+31 of the super-block at byte base, shared by sub-blocks 2t (low
    nibbles) and 2t + 1 (high) */
-INLINE void q45k_nibbles(int64_t format, const uint8_t *const *rows, int64_t base, int t, __m512i *raw) {
-    transpose32(rows, base + (format == Q4_K ? 16 : 48) + 32 * t, raw);
+INLINE void q45k_nibbles(int64_t format, const qsrc *src, int64_t base, int t, __m512i *raw) {
+    piece32(src, base + (format == Q4_K ? 16 : 48) + 32 * t, raw);
 }
 
 /* Q4_K / Q5_K sub-block 2t + high of those bytes, with Q5_K's fifth bits */

@@ -189,7 +189,8 @@ int detinf_quant_gemm(const void *x, int64_t m, int64_t k, int x_bf16, const det
                       const float *bias, void *out, int64_t n, int out_bf16, int flags) {
     int need32 = 0, need256 = 0;
     for (int64_t p = 0; p < nparts; p++) {
-        if (format_block_values(parts[p].format) == SUPER) need256 = 1;
+        const int64_t stored = parts[p].format >= X16 ? parts[p].format - X16 : parts[p].format;
+        if (format_block_values(stored) == SUPER) need256 = 1;
         else need32 = 1;
     }
     xquant x32 = {0}, x256 = {0};

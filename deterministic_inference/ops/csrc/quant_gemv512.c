@@ -63,8 +63,9 @@ INLINE void add_sub_block(const xquant *xq, int64_t at, const __m512i *g, int gr
 }
 
 /* isum[r] = sum_j sc_j dot_j over super-block s (its scales already in p, super-block 0) */
-INLINE void fused_isum(int64_t format, const uint8_t *const *rows, int64_t base, const xquant *xq, int64_t s,
+INLINE void fused_isum(int64_t format, const qsrc *src, int64_t base, const xquant *xq, int64_t s,
                        const qpanel *p, const int R, __m512i *isum) {
+    const uint8_t *const *rows = src->rows; /* Q6_K: stored rows only */
     for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
     if (format == Q6_K) { /* unit j = the 16-value sub-blocks 2j (groups 0..3) and 2j + 1 (groups 4..7) */
 #pragma GCC unroll 2
@@ -90,10 +91,10 @@ INLINE void fused_isum(int64_t format, const uint8_t *const *rows, int64_t base,
         return;
     }
     __m512i qh[8];
-    q45k_high_bits(format, rows, base, qh);
+    q45k_high_bits(format, src, base, qh);
     for (int t = 0; t < 4; t++) {
         __m512i raw[8];
-        q45k_nibbles(format, rows, base, t, raw);
+        q45k_nibbles(format, src, base, t, raw);
         for (int high = 0; high < 2; high++) {
             __m512i g[8];
             q45k_unit(format, raw, qh, t, high, g);
@@ -102,8 +103,9 @@ INLINE void fused_isum(int64_t format, const uint8_t *const *rows, int64_t base,
     }
 }
 
-/* K formats: rows [0, R) x 16 columns, every super-block; acc rows of ACC_COLS floats */
-INLINE void fused_super(int64_t format, const uint8_t *const *rows, int64_t row_bytes, const xquant *xq, const int R,
+/* K formats: rows [0, R) x 16 columns, every super-block, from either source (a repacked panel: Q4_K,
+   Q5_K); acc rows of ACC_COLS floats */
+INLINE void fused_super(int64_t format, const qsrc *src, int64_t row_bytes, const xquant *xq, const int R,
                         float *acc) {
     const int64_t k = xq->k, supers = k / SUPER, bytes = format_block_bytes(format), ahead = ACC_COLS * row_bytes;
     _Alignas(64) float d[QCOLS], m[QCOLS];
@@ -113,10 +115,16 @@ INLINE void fused_super(int64_t format, const uint8_t *const *rows, int64_t row_
     __m512i isum[FUSED_ROWS];
     for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */
     for (int64_t s = 0; s < supers; s++) {
-        for (int line = 0; line < 256 && line < bytes + 63; line += 64) prefetch_rows(rows, s * bytes + line, ahead);
-        if (format == Q6_K) q6k_scales(rows, s * bytes, 0, &p);
-        else q45k_scales(rows, s * bytes, 0, &p);
-        fused_isum(format, rows, s * bytes, xq, s, &p, R, isum);
+        if (src->panel) { /* one stream: the super-block four ahead */
+            for (int64_t line = 0; line < 16 * bytes; line += 64)
+                _mm_prefetch((const char *)(src->panel + 16 * (s + 4) * bytes + line), _MM_HINT_T0);
+        } else {
+            for (int line = 0; line < 256 && line < bytes + 63; line += 64)
+                prefetch_rows(src->rows, s * bytes + line, ahead);
+        }
+        if (format == Q6_K) q6k_scales(src->rows, s * bytes, 0, &p);
+        else q45k_scales(src, s * bytes, 0, &p);
+        fused_isum(format, src, s * bytes, xq, s, &p, R, isum);
         for (int r = 0; r < R; r++) {
             const __m512 dx = _mm512_set1_ps(xq->d[r * supers + s]);
             f[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_load_ps(d), dx), as_float(isum[r]), f[r]);
@@ -136,9 +144,10 @@ INLINE void fused_super(int64_t format, const uint8_t *const *rows, int64_t row_
    at the half's first column. Each format and row count gets its own code, constants folded. */
 void fused_half_avx512(int64_t format, const uint8_t *const *rows, int64_t row_bytes, const xquant *xq, int64_t m,
                        float *acc) {
+    const qsrc src = {rows, NULL};
 #define DETINF_FUSED(fmt, rows_)                                                                   \
     if (format == fmt && m == rows_) {                                                             \
-        if (fmt >= Q4_K) fused_super(fmt, rows, row_bytes, xq, rows_, acc);                        \
+        if (fmt >= Q4_K) fused_super(fmt, &src, row_bytes, xq, rows_, acc);                        \
         else fused_blocks(fmt, rows, row_bytes, xq, rows_, acc);                                   \
         return;                                                                                    \
     }
@@ -147,6 +156,19 @@ void fused_half_avx512(int64_t format, const uint8_t *const *rows, int64_t row_b
     DETINF_FUSED_FORMAT(Q8_0) DETINF_FUSED_FORMAT(Q4_K) DETINF_FUSED_FORMAT(Q5_K) DETINF_FUSED_FORMAT(Q6_K)
 #undef DETINF_FUSED_FORMAT
 #undef DETINF_FUSED
+}
+
+/* The same for a repacked Q4_K / Q5_K half panel (quant_repack.c): the same vectors, so the same bits */
+void fused_k_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, float *acc) {
+    const qsrc src = {NULL, panel};
+#define DETINF_FUSED_K(fmt, rows_)                                                                 \
+    if (format == fmt && m == rows_) {                                                             \
+        fused_super(fmt, &src, 0, xq, rows_, acc);                                                 \
+        return;                                                                                    \
+    }
+    DETINF_FUSED_K(Q4_K, 1) DETINF_FUSED_K(Q4_K, 2) DETINF_FUSED_K(Q4_K, 3) DETINF_FUSED_K(Q4_K, 4)
+    DETINF_FUSED_K(Q5_K, 1) DETINF_FUSED_K(Q5_K, 2) DETINF_FUSED_K(Q5_K, 3) DETINF_FUSED_K(Q5_K, 4)
+#undef DETINF_FUSED_K
 }
 
 #endif

@@ -1,6 +1,6 @@
-/* Q4_0, Q4_1 and Q8_0 weights repacked once at load into 16-column panels (formats Q4_0_X16, Q4_1_X16,
-   Q8_0_X16), so the GEMM reads them in the order VPDPBUSD consumes them instead of transposing 16 rows'
-   blocks on every call.
+/* Q4_0, Q4_1, Q8_0, Q4_K and Q5_K weights repacked once at load into 16-column panels (format id + X16),
+   so the GEMM reads them in the order VPDPBUSD consumes them instead of transposing 16 rows' blocks on
+   every call.
 
    LAYOUT of a part with N output columns (N a multiple of 16) of K = 32 * B values: panel p holds output
    columns 16p .. 16p + 15 (after the row order) in 16 * row_bytes bytes (the repacked part is exactly as
@@ -12,6 +12,11 @@
    nibble, so the low nibbles of the 64 bytes at t are group t of the unpacked unit and the high nibbles
    group t + 4. Q8_0: a byte holds value 4 t + j plus 128 (its sign bit flipped), the unsigned integer the
    unpacked unit holds, so the 64 bytes at t are group t as they are.
+
+   Q4_K, Q5_K (super-blocks of 144 and 176 bytes, both whole 16-byte pieces): the panel holds piece P of
+   the 16 columns' rows (bytes 16 P .. 16 P + 15 of each) at 256 P as 4 vectors of 64 bytes, byte 4 i + j
+   of column c at 256 P + 64 i + 4 c + j: the vectors the stored path's transposition makes (quant512.h,
+   piece16), which the K paths then take apart exactly as before.
 
    Only integers move: each output is still the float sequence of quant.h for the format (blocks
    ascending, the same operations), so a repacked part gives the stored part's bits; builds that do not
@@ -28,18 +33,36 @@ static int64_t x16_qs_bytes(int64_t format) { return format == Q8_0 ? 2 * X16_QS
 /* 1 when this build reads `format` faster repacked (the AVX-512 paths), else 0. */
 int detinf_quant_repacks(int64_t format) {
 #if defined(DETINF_Q_AVX512)
-    return format == Q4_0 || format == Q4_1 || format == Q8_0;
+    return format == Q4_0 || format == Q4_1 || format == Q8_0 || format == Q4_K || format == Q5_K;
 #else
     (void)format;
     return 0;
 #endif
 }
 
-/* Output columns [col0, col0 + cols) (multiples of 16) of a stored Q4_0 / Q4_1 / Q8_0 part -> their panels
+/* Q4_K / Q5_K: every 16-byte piece of each panel's rows, transposed (the layout above) */
+static void repack_pieces(const uint8_t *src, const int64_t *row_order, int64_t row_bytes, int64_t col0, int64_t cols,
+                          uint8_t *dst) {
+    for (int64_t panel = col0 / QCOLS; panel < (col0 + cols) / QCOLS; panel++) {
+        uint8_t *out = dst + panel * QCOLS * row_bytes;
+        for (int c = 0; c < QCOLS; c++) {
+            const int64_t column = panel * QCOLS + c;
+            const uint8_t *row = src + (row_order ? row_order[column] : column) * row_bytes;
+            for (int64_t piece = 0; piece < row_bytes / 16; piece++)
+                for (int i = 0; i < 4; i++) memcpy(out + 256 * piece + 64 * i + 4 * c, row + 16 * piece + 4 * i, 4);
+        }
+    }
+}
+
+/* Output columns [col0, col0 + cols) (multiples of 16) of a stored Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K part -> their panels
    in dst (the whole repacked part; panel p at 16 p row_bytes). Column j reads stored row row_order[j]
    (NULL: j). */
 void detinf_repack(int64_t format, const uint8_t *src, const int64_t *row_order, int64_t row_bytes, int64_t col0,
                    int64_t cols, uint8_t *dst) {
+    if (format_block_values(format) == SUPER) {
+        repack_pieces(src, row_order, row_bytes, col0, cols, dst);
+        return;
+    }
     const int fields = x16_fields(format);
     const int64_t block_bytes = format_block_bytes(format), blocks = row_bytes / block_bytes;
     const int64_t qs_bytes = x16_qs_bytes(format);
@@ -79,6 +102,12 @@ static inline void x16_fields_f32(const uint8_t *at, float *out) {
 /* Units [u0, u0 + units) of one 16-column panel (B blocks) into p: the bytes unpack_chunk writes for the
    stored format. */
 void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0, int64_t units, qpanel *p) {
+#if defined(DETINF_Q_AVX512)
+    if (format_block_values(format) == SUPER) { /* only AVX-512 builds repack K formats */
+        unpack_k_x16_avx512(format, panel, u0, units, p);
+        return;
+    }
+#endif
     const int fields = x16_fields(format);
     const uint8_t *qs = panel + X16_FIELD_BYTES * fields * blocks;
     const int64_t qs_bytes = x16_qs_bytes(format);
@@ -179,6 +208,10 @@ INLINE void fused_x16_q8(const uint8_t *panel, const xquant *xq, const int R, fl
 /* Rows [0, m) (m <= FUSED_ROWS) of one repacked panel of `format` (Q4_0, Q4_1 or Q8_0); acc [m][ACC_COLS]
    at the panel's first column. Each row count and format with its constants folded. */
 void fused_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, float *acc) {
+    if (format_block_values(format) == SUPER) {
+        fused_k_x16_avx512(format, panel, xq, m, acc);
+        return;
+    }
 #define DETINF_X16(rows_)                                                          \
     case rows_:                                                                    \
         if (format == Q4_1) fused_x16(panel, xq, rows_, 1, acc);                  \

@@ -42,13 +42,19 @@ static void unpack_blocks(int64_t format, const uint8_t *const *rows, int64_t ro
     }
 }
 
-static void unpack_q45k(int64_t format, const uint8_t *const *rows, int64_t base, int64_t ahead, uint8_t *w) {
-    for (int line = 0; line < 192; line += 64) prefetch_rows(rows, base + line, ahead);
+static void unpack_q45k(int64_t format, const qsrc *src, int64_t base, int64_t ahead, uint8_t *w) {
+    if (src->panel) { /* a repacked panel streams: the super-block two ahead */
+        const int64_t bytes = 16 * format_block_bytes(format);
+        for (int64_t line = 0; line < bytes; line += 64)
+            _mm_prefetch((const char *)(src->panel + 16 * base + 2 * bytes + line), _MM_HINT_T0);
+    } else {
+        for (int line = 0; line < 192; line += 64) prefetch_rows(src->rows, base + line, ahead);
+    }
     __m512i qh[8];
-    q45k_high_bits(format, rows, base, qh);
+    q45k_high_bits(format, src, base, qh);
     for (int t = 0; t < 4; t++) {
         __m512i raw[8];
-        q45k_nibbles(format, rows, base, t, raw);
+        q45k_nibbles(format, src, base, t, raw);
         for (int high = 0; high < 2; high++) {
             __m512i g[8];
             q45k_unit(format, raw, qh, t, high, g);
@@ -74,24 +80,35 @@ static void unpack_q6k(const uint8_t *const *rows, int64_t base, int64_t ahead, 
     }
 }
 
-void unpack_chunk_avx512(int64_t format, const uint8_t *const *rows, int64_t row_bytes, int64_t u0, int64_t units,
-                         qpanel *p) {
-    const int64_t ahead = ACC_COLS * row_bytes;
-    if (format_block_values(format) == UNIT) {
-        unpack_blocks(format, rows, row_bytes, u0, units, p);
-        return;
-    }
+/* Super-blocks of units [u0, u0 + units) of a K format from either source (Q6_K: stored rows only) */
+static void unpack_supers(int64_t format, const qsrc *src, int64_t ahead, int64_t u0, int64_t units, qpanel *p) {
     for (int64_t sb = 0; sb < units / 8; sb++) {
         const int64_t base = (u0 / 8 + sb) * format_block_bytes(format);
         uint8_t *w = p->w + sb * 8 * UNIT_BYTES;
         if (format == Q6_K) {
-            unpack_q6k(rows, base, ahead, w);
-            q6k_scales(rows, base, sb, p);
+            unpack_q6k(src->rows, base, ahead, w);
+            q6k_scales(src->rows, base, sb, p);
         } else {
-            unpack_q45k(format, rows, base, ahead, w);
-            q45k_scales(rows, base, sb, p);
+            unpack_q45k(format, src, base, ahead, w);
+            q45k_scales(src, base, sb, p);
         }
     }
+}
+
+void unpack_chunk_avx512(int64_t format, const uint8_t *const *rows, int64_t row_bytes, int64_t u0, int64_t units,
+                         qpanel *p) {
+    if (format_block_values(format) == UNIT) {
+        unpack_blocks(format, rows, row_bytes, u0, units, p);
+        return;
+    }
+    const qsrc src = {rows, NULL};
+    unpack_supers(format, &src, ACC_COLS * row_bytes, u0, units, p);
+}
+
+/* The same bytes from a repacked Q4_K / Q5_K half panel (quant_repack.c) */
+void unpack_k_x16_avx512(int64_t format, const uint8_t *panel, int64_t u0, int64_t units, qpanel *p) {
+    const qsrc src = {NULL, panel};
+    unpack_supers(format, &src, 0, u0, units, p);
 }
 
 #endif

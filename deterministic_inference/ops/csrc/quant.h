@@ -61,6 +61,9 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
    id = format + X16 */
 enum { X16 = 100 };
 
+/* The stored format of a part's format id (a repacked part's id less X16) */
+static inline int64_t stored_format(int64_t id) { return id >= X16 ? id - X16 : id; }
+
 #define QCOLS 16       /* output columns per unpacked half panel */
 #define ACC_COLS 32    /* output columns per panel (two halves): a panel's running sums are [rows][32] */
 #define UNIT 32        /* values per unit: one 32-value block, or one sub-block of a K super-block */
@@ -221,8 +224,8 @@ void fused_half_avx512(int64_t format, const uint8_t *const *rows, int64_t row_b
 void kernel_rows256(int64_t format, const xquant *xq, int64_t r0, int64_t count, int64_t u0, int64_t units,
                     const qpanel *p, int halves, float *acc);
 #endif
-/* quant_repack.c: one repacked 16-column panel (B blocks) of `format` (the stored one: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K): units
-   [u0, u0 + units) into p, as unpack_chunk writes them; the few-row path (AVX-512) */
+/* quant_repack.c: one repacked 16-column panel (B blocks) of `format` (the stored one: Q4_0, Q4_1, Q8_0,
+   Q4_K, Q5_K): units [u0, u0 + units) into p, as unpack_chunk writes them; the few-row path (AVX-512) */
 void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0, int64_t units, qpanel *p);
 #if defined(DETINF_Q_AVX512)
 void fused_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, float *acc);

@@ -116,9 +116,8 @@ static void unpack_half(const panel_source *src, int h, int64_t row_bytes, int64
 static void compute_panel(const gemm_call *call, const detinf_qpart *part, const panel_ref *ref, workspace *ws) {
     const int64_t cols = part->cols - ref->first_col < ACC_COLS ? part->cols - ref->first_col : ACC_COLS;
     const int halves = cols > QCOLS ? 2 : 1;
-    panel_source src = {part->format, NULL, {NULL}, QCOLS * part->row_bytes};
+    panel_source src = {stored_format(part->format), NULL, {NULL}, QCOLS * part->row_bytes};
     if (part->format >= X16) {
-        src.format = part->format - X16;
         src.panel = part->data + ref->first_col * part->row_bytes;
     } else {
         panel_rows(part, ref, cols, src.rows);
@@ -189,8 +188,7 @@ int detinf_quant_gemm(const void *x, int64_t m, int64_t k, int x_bf16, const det
                       const float *bias, void *out, int64_t n, int out_bf16, int flags) {
     int need32 = 0, need256 = 0;
     for (int64_t p = 0; p < nparts; p++) {
-        const int64_t stored = parts[p].format >= X16 ? parts[p].format - X16 : parts[p].format;
-        if (format_block_values(stored) == SUPER) need256 = 1;
+        if (format_block_values(stored_format(parts[p].format)) == SUPER) need256 = 1;
         else need32 = 1;
     }
     xquant x32 = {0}, x256 = {0};

@@ -54,9 +54,9 @@ static void repack_pieces(const uint8_t *src, const int64_t *row_order, int64_t 
     }
 }
 
-/* Output columns [col0, col0 + cols) (multiples of 16) of a stored Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K part -> their panels
-   in dst (the whole repacked part; panel p at 16 p row_bytes). Column j reads stored row row_order[j]
-   (NULL: j). */
+/* Output columns [col0, col0 + cols) (multiples of 16) of a stored Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K part
+   -> their panels in dst (the whole repacked part; panel p at 16 p row_bytes). Column j reads stored row
+   row_order[j] (NULL: j). */
 void detinf_repack(int64_t format, const uint8_t *src, const int64_t *row_order, int64_t row_bytes, int64_t col0,
                    int64_t cols, uint8_t *dst) {
     if (format_block_values(format) == SUPER) {
@@ -180,7 +180,7 @@ INLINE void fused_x16(const uint8_t *panel, const xquant *xq, const int R, const
 /* Q8_0 rows [0, R) x one panel (quant.h: acc = fmaf(d_b * dx_b, (float)isum_b, acc)); the stored bytes
    are q + 128, so isum_b = sum (q + 128) x - 128 sx_b, exact in int32 like every dot product here. */
 INLINE void fused_x16_q8(const uint8_t *panel, const xquant *xq, const int R, float *acc) {
-    const int64_t k = xq->k, blocks = k / UNIT, qs_bytes = 2 * X16_QS_BYTES;
+    const int64_t k = xq->k, blocks = k / UNIT, qs_bytes = x16_qs_bytes(Q8_0);
     const uint8_t *d = panel, *qs = panel + X16_FIELD_BYTES * blocks;
     __m512 f[FUSED_ROWS];
     for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */

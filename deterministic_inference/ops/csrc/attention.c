@@ -4,7 +4,8 @@
    float operations, fixed by this source alone:
      scores[j] = dot(q, k_j) * scale          dot: fused multiply-adds (fmaf) over d ascending, from 0
      m         = max_j scores[j]               exact
-     p[j]      = exp(max(scores[j] - m, -87))  exp below: range reduction + degree-7 polynomial
+     p[j]      = exp(max(scores[j] - m, -87))  exp below: range reduction + degree-7 polynomial,
+                                                each step one fmaf (common.h exp_in_range)
      l         = sum_j p[j]                    16 lane partial sums over j, then a fixed tree
      acc[d]    = sum_j p[j] * v_j[d]           fused multiply-adds over j ascending, each d on its own
      out[d]    = acc[d] / l

@@ -1,10 +1,10 @@
 """Quantized weights repacked once at load for the kernels that read them faster so (csrc/quant_repack.c).
 
 Which formats a build repacks is the compiled library's own answer (`detinf_quant_repacks`: Q4_0,
-Q4_1, Q8_0, Q4_K and Q5_K on AVX-512 builds, whose GEMM otherwise transposes 16 rows' blocks on every
-call), so the
-layout a GEMM reads always matches the code reading it. Repacking moves integers only: every output keeps the
-bits of the stored layout, which builds that do not repack read (csrc/quant_repack.c says why).
+Q4_1, Q8_0, Q4_K, Q5_K and Q6_K on AVX-512 builds, whose GEMM otherwise transposes 16 rows' blocks on
+every call), so the layout a GEMM reads always matches the code reading it. Repacking moves integers
+only: every output keeps the bits of the stored layout, which builds that do not repack read
+(csrc/quant_repack.c says why).
 
 Memory: the repacked copy is as large as the stored tensor. When the stored tensor is a view on the
 model file's private map, its pages are given back (MADV_DONTNEED) chunk by chunk as they are repacked,

@@ -1,4 +1,4 @@
-"""Q4_0, Q4_1, Q8_0, Q4_K and Q5_K repacked at load (ops/repack.py, csrc/quant_repack.c): the GEMM over
+"""Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K repacked at load (ops/repack.py, csrc/quant_repack.c): the GEMM over
 the repacked copy gives the stored layout's bits for every row count, row order, part mix and thread
 count; a file-mapped weight's pages are given back while its bytes stay readable. Row, thread and build
 invariance of the repacked path run in test_quant_invariance.py (its cases in these formats are repacked
@@ -21,7 +21,7 @@ from tests.ops.helpers import bits, num_threads
 from tests.ops.quant_reference import documented_output
 
 K = 1280  # 40 blocks: 2.5 chunks of 16 units (the many-row path's last chunk is partial)
-REPACKED = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K")
+REPACKED = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +89,12 @@ def test_negative_control_a_damaged_repacked_copy_is_detected(
 
 @pytest.mark.parametrize(
     ("name", "byte"),
-    # piece 0 holds each column's d, dmin and scales: byte 0 is column 0's d (lowest mantissa bit); piece 1
-    # (at 256) starts column 0's first quant bytes (Q4_K) or fifth bits (Q5_K)
-    [("Q4_K", 0), ("Q4_K", 256), ("Q5_K", 256)],
-    ids=["q4_k-d", "q4_k-quant", "q5_k-high-bits"],
+    # Q4_K / Q5_K: piece 0 holds each column's d, dmin and scales: byte 0 is column 0's d (lowest mantissa
+    # bit); piece 1 (at 256) starts column 0's first quant bytes (Q4_K) or fifth bits (Q5_K). Q6_K: pieces
+    # 0-7 hold ql, 8-11 qh (column 0's first at 2048), 12 the scales (at 3072), then the 16 columns' d
+    # (column 0's at 3328, past the 13 whole pieces)
+    [("Q4_K", 0), ("Q4_K", 256), ("Q5_K", 256), ("Q6_K", 0), ("Q6_K", 2048), ("Q6_K", 3072), ("Q6_K", 3328)],
+    ids=["q4_k-d", "q4_k-quant", "q5_k-high-bits", "q6_k-low-bits", "q6_k-high-bits", "q6_k-scale", "q6_k-d"],
 )
 def test_negative_control_a_damaged_repacked_k_panel_is_detected(
     repacking: NativeKernels, name: str, byte: int

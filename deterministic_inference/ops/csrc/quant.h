@@ -57,7 +57,7 @@
 
 /* ggml type ids of the supported block formats */
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-/* not ggml types: Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K repacked at load into 16-column panels (quant_repack.c);
+/* not ggml types: Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K repacked at load into 16-column panels (quant_repack.c);
    id = format + X16 */
 enum { X16 = 100 };
 
@@ -212,7 +212,7 @@ void unpack_chunk(int64_t format, const uint8_t *const *rows, int64_t row_bytes,
 /* quant_unpack512.c: the same bytes as the portable loop */
 void unpack_chunk_avx512(int64_t format, const uint8_t *const *rows, int64_t row_bytes, int64_t u0, int64_t units,
                          qpanel *p);
-/* quant_unpack512.c / quant_gemv512.c: the same two paths over a repacked Q4_K / Q5_K half panel */
+/* quant_unpack512.c / quant_gemv512.c: the same two paths over a repacked K-format half panel */
 void unpack_k_x16_avx512(int64_t format, const uint8_t *panel, int64_t u0, int64_t units, qpanel *p);
 void fused_k_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, float *acc);
 /* quant_gemv512.c: rows [0, m <= FUSED_ROWS) x one 16-column half, every block; acc [m][ACC_COLS] */
@@ -224,8 +224,8 @@ void fused_half_avx512(int64_t format, const uint8_t *const *rows, int64_t row_b
 void kernel_rows256(int64_t format, const xquant *xq, int64_t r0, int64_t count, int64_t u0, int64_t units,
                     const qpanel *p, int halves, float *acc);
 #endif
-/* quant_repack.c: one repacked 16-column panel (B blocks) of `format` (the stored one: Q4_0, Q4_1, Q8_0,
-   Q4_K, Q5_K): units [u0, u0 + units) into p, as unpack_chunk writes them; the few-row path (AVX-512) */
+/* quant_repack.c: one repacked 16-column panel (B blocks) of `format` (the stored one: Q4_0, Q4_1, Q8_0 or
+   a K format): units [u0, u0 + units) into p, as unpack_chunk writes them; the few-row path (AVX-512) */
 void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0, int64_t units, qpanel *p);
 #if defined(DETINF_Q_AVX512)
 void fused_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, float *acc);

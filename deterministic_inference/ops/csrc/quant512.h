@@ -48,14 +48,9 @@ INLINE void transpose16v(const uint8_t *const *rows, int64_t off, int64_t valid,
 
 INLINE void transpose16(const uint8_t *const *rows, int64_t off, __m512i *out) { transpose16v(rows, off, 16, out); }
 
-INLINE void transpose32(const uint8_t *const *rows, int64_t off, __m512i *out) {
-    transpose16(rows, off, out);
-    transpose16(rows, off + 16, out + 4);
-}
-
 /* Where a K-format half panel's 16 columns are read from: their stored rows, or (panel != NULL) a repacked
-   panel (quant_repack.c) that keeps every 16-byte piece of the rows already transposed: piece P, the
-   4 vectors transpose16 makes of bytes 16P..16P+15, at panel + 256 P. */
+   panel (quant_repack.c) that keeps every whole 16-byte piece of the rows' super-blocks already
+   transposed: the 4 vectors transpose16 makes of bytes off..off+15 at panel + 16 off. */
 typedef struct {
     const uint8_t *const *rows;
     const uint8_t *panel;
@@ -198,16 +193,20 @@ INLINE void q45k_scales(const qsrc *src, int64_t base, int64_t sb, qpanel *p) {
     }
 }
 
-/* Q6_K scales of the super-block at byte base (16 int8 at 192, d at 208) into p's super-block sb */
-INLINE void q6k_scales(const uint8_t *const *rows, int64_t base, int64_t sb, qpanel *p) {
+/* Q6_K scales of the super-block at byte base (16 int8 at 192, d at 208) into p's super-block sb, from
+   either source (a repacked panel keeps the 16 columns' d, the 2 bytes past the super-block's 13 whole
+   pieces, as 16 fp16 numbers at 16 (base + 208)) */
+INLINE void q6k_scales(const qsrc *src, int64_t base, int64_t sb, qpanel *p) {
     __m512i t[4];
-    transpose16(rows, base + 192, t);
+    piece16(src, base + 192, t);
 #pragma GCC unroll 16
     for (int j = 0; j < 16; j++) {
         const __m512i scale = _mm512_srai_epi32(_mm512_slli_epi32(t[j / 4], 24u - 8u * (unsigned)(j % 4)), 24);
         _mm512_storeu_si512(p->sc + (sb * 16 + j) * QCOLS, scale);
     }
-    _mm512_storeu_ps(p->d + sb * QCOLS, halves_at(rows, base + 208));
+    const __m512 d = src->panel ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src->panel + 16 * (base + 208))))
+                                : halves_at(src->rows, base + 208);
+    _mm512_storeu_ps(p->d + sb * QCOLS, d);
 }
 
 /* Q5_K's fifth bits (32 bytes at base + 16: bit j of byte l is value l of sub-block j), zero for Q4_K */
@@ -235,13 +234,14 @@ INLINE void q45k_unit(int64_t format, const __m512i *raw, const __m512i *qh, int
     }
 }
 
-/* Q6_K half h of the super-block at byte base: its 32 bytes of qh, and its 32-byte run `run` of ql */
-INLINE void q6k_high_bits(const uint8_t *const *rows, int64_t base, int h, __m512i *qh) {
-    transpose32(rows, base + 128 + 32 * h, qh);
+/* Q6_K half h of the super-block at byte base, from either source: its 32 bytes of qh, and its 32-byte
+   run `run` of ql */
+INLINE void q6k_high_bits(const qsrc *src, int64_t base, int h, __m512i *qh) {
+    piece32(src, base + 128 + 32 * h, qh);
 }
 
-INLINE void q6k_low_bits(const uint8_t *const *rows, int64_t base, int h, int run, __m512i *ql) {
-    transpose32(rows, base + 64 * h + 32 * run, ql);
+INLINE void q6k_low_bits(const qsrc *src, int64_t base, int h, int run, __m512i *ql) {
+    piece32(src, base + 64 * h + 32 * run, ql);
 }
 
 /* Q6_K unit 4h + t: nibble t / 2 of ql run t % 2 with bits 2t, 2t + 1 of qh above it (shifting 16-bit

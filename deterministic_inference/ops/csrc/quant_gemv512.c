@@ -65,17 +65,16 @@ INLINE void add_sub_block(const xquant *xq, int64_t at, const __m512i *g, int gr
 /* isum[r] = sum_j sc_j dot_j over super-block s (its scales already in p, super-block 0) */
 INLINE void fused_isum(int64_t format, const qsrc *src, int64_t base, const xquant *xq, int64_t s,
                        const qpanel *p, const int R, __m512i *isum) {
-    const uint8_t *const *rows = src->rows; /* Q6_K: stored rows only */
     for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
     if (format == Q6_K) { /* unit j = the 16-value sub-blocks 2j (groups 0..3) and 2j + 1 (groups 4..7) */
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             __m512i qh[8];
-            q6k_high_bits(rows, base, h, qh);
+            q6k_high_bits(src, base, h, qh);
 #pragma GCC unroll 2
             for (int run = 0; run < 2; run++) {
                 __m512i ql[8];
-                q6k_low_bits(rows, base, h, run, ql);
+                q6k_low_bits(src, base, h, run, ql);
 #pragma GCC unroll 2
                 for (int t = run; t < 4; t += 2) {
                     __m512i g[8];
@@ -103,8 +102,8 @@ INLINE void fused_isum(int64_t format, const qsrc *src, int64_t base, const xqua
     }
 }
 
-/* K formats: rows [0, R) x 16 columns, every super-block, from either source (a repacked panel: Q4_K,
-   Q5_K); acc rows of ACC_COLS floats */
+/* K formats: rows [0, R) x 16 columns, every super-block, from either source; acc rows of ACC_COLS
+   floats */
 INLINE void fused_super(int64_t format, const qsrc *src, int64_t row_bytes, const xquant *xq, const int R,
                         float *acc) {
     const int64_t k = xq->k, supers = k / SUPER, bytes = format_block_bytes(format), ahead = ACC_COLS * row_bytes;
@@ -122,7 +121,7 @@ INLINE void fused_super(int64_t format, const qsrc *src, int64_t row_bytes, cons
             for (int line = 0; line < 256 && line < bytes + 63; line += 64)
                 prefetch_rows(src->rows, s * bytes + line, ahead);
         }
-        if (format == Q6_K) q6k_scales(src->rows, s * bytes, 0, &p);
+        if (format == Q6_K) q6k_scales(src, s * bytes, 0, &p);
         else q45k_scales(src, s * bytes, 0, &p);
         fused_isum(format, src, s * bytes, xq, s, &p, R, isum);
         for (int r = 0; r < R; r++) {
@@ -158,7 +157,7 @@ void fused_half_avx512(int64_t format, const uint8_t *const *rows, int64_t row_b
 #undef DETINF_FUSED
 }
 
-/* The same for a repacked Q4_K / Q5_K half panel (quant_repack.c): the same vectors, so the same bits */
+/* The same for a repacked Q4_K / Q5_K / Q6_K half panel (quant_repack.c): the same vectors, so the same bits */
 void fused_k_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, float *acc) {
     const qsrc src = {NULL, panel};
 #define DETINF_FUSED_K(fmt, rows_)                                                                 \
@@ -168,6 +167,7 @@ void fused_k_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, 
     }
     DETINF_FUSED_K(Q4_K, 1) DETINF_FUSED_K(Q4_K, 2) DETINF_FUSED_K(Q4_K, 3) DETINF_FUSED_K(Q4_K, 4)
     DETINF_FUSED_K(Q5_K, 1) DETINF_FUSED_K(Q5_K, 2) DETINF_FUSED_K(Q5_K, 3) DETINF_FUSED_K(Q5_K, 4)
+    DETINF_FUSED_K(Q6_K, 1) DETINF_FUSED_K(Q6_K, 2) DETINF_FUSED_K(Q6_K, 3) DETINF_FUSED_K(Q6_K, 4)
 #undef DETINF_FUSED_K
 }
 

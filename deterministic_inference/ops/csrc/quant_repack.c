@@ -1,4 +1,4 @@
-/* Q4_0, Q4_1, Q8_0, Q4_K and Q5_K weights repacked once at load into 16-column panels (format id + X16),
+/* Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights repacked once at load into 16-column panels (format id + X16),
    so the GEMM reads them in the order VPDPBUSD consumes them instead of transposing 16 rows' blocks on
    every call.
 
@@ -13,10 +13,12 @@
    group t + 4. Q8_0: a byte holds value 4 t + j plus 128 (its sign bit flipped), the unsigned integer the
    unpacked unit holds, so the 64 bytes at t are group t as they are.
 
-   Q4_K, Q5_K (super-blocks of 144 and 176 bytes, both whole 16-byte pieces): the panel holds piece P of
-   the 16 columns' rows (bytes 16 P .. 16 P + 15 of each) at 256 P as 4 vectors of 64 bytes, byte 4 i + j
-   of column c at 256 P + 64 i + 4 c + j: the vectors the stored path's transposition makes (quant512.h,
-   piece16), which the K paths then take apart exactly as before.
+   K formats (super-blocks of S = 144, 176 and 210 bytes): super-block s of the panel's 16 rows takes the
+   16 S bytes at 16 S s. Its whole 16-byte pieces P (9, 11, 13 of them) come first, each as 4 vectors of
+   64 bytes, byte 4 i + j of column c's piece at 16 S s + 256 P + 64 i + 4 c + j: the vectors the stored
+   path's transposition makes (quant512.h, piece16), which the K paths then take apart exactly as
+   before. The bytes past the last whole piece (Q6_K's fp16 d, 2 bytes) follow column by column, as 16
+   fp16 numbers. So the stored super-block's byte offset o (16 | o) is read at 16 o in both parts.
 
    Only integers move: each output is still the float sequence of quant.h for the format (blocks
    ascending, the same operations), so a repacked part gives the stored part's bits; builds that do not
@@ -33,34 +35,41 @@ static int64_t x16_qs_bytes(int64_t format) { return format == Q8_0 ? 2 * X16_QS
 /* 1 when this build reads `format` faster repacked (the AVX-512 paths), else 0. */
 int detinf_quant_repacks(int64_t format) {
 #if defined(DETINF_Q_AVX512)
-    return format == Q4_0 || format == Q4_1 || format == Q8_0 || format == Q4_K || format == Q5_K;
+    return format == Q4_0 || format == Q4_1 || format == Q8_0 || format_block_values(format) == SUPER;
 #else
     (void)format;
     return 0;
 #endif
 }
 
-/* Q4_K / Q5_K: every 16-byte piece of each panel's rows, transposed (the layout above) */
-static void repack_pieces(const uint8_t *src, const int64_t *row_order, int64_t row_bytes, int64_t col0, int64_t cols,
-                          uint8_t *dst) {
+/* K formats: each super-block's whole 16-byte pieces transposed, then its remaining bytes column by
+   column (the layout above) */
+static void repack_supers(int64_t format, const uint8_t *src, const int64_t *row_order, int64_t row_bytes,
+                          int64_t col0, int64_t cols, uint8_t *dst) {
+    const int64_t bytes = format_block_bytes(format), pieces = bytes / 16, rest = bytes % 16;
     for (int64_t panel = col0 / QCOLS; panel < (col0 + cols) / QCOLS; panel++) {
-        uint8_t *out = dst + panel * QCOLS * row_bytes;
         for (int c = 0; c < QCOLS; c++) {
             const int64_t column = panel * QCOLS + c;
             const uint8_t *row = src + (row_order ? row_order[column] : column) * row_bytes;
-            for (int64_t piece = 0; piece < row_bytes / 16; piece++)
-                for (int i = 0; i < 4; i++) memcpy(out + 256 * piece + 64 * i + 4 * c, row + 16 * piece + 4 * i, 4);
+            for (int64_t s = 0; s < row_bytes / bytes; s++) {
+                uint8_t *out = dst + panel * QCOLS * row_bytes + QCOLS * bytes * s;
+                const uint8_t *super = row + bytes * s;
+                for (int64_t piece = 0; piece < pieces; piece++)
+                    for (int i = 0; i < 4; i++)
+                        memcpy(out + 256 * piece + 64 * i + 4 * c, super + 16 * piece + 4 * i, 4);
+                memcpy(out + 256 * pieces + rest * c, super + 16 * pieces, (size_t)rest);
+            }
         }
     }
 }
 
-/* Output columns [col0, col0 + cols) (multiples of 16) of a stored Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K part
+/* Output columns [col0, col0 + cols) (multiples of 16) of a stored Q4_0 / Q4_1 / Q8_0 / K-format part
    -> their panels in dst (the whole repacked part; panel p at 16 p row_bytes). Column j reads stored row
    row_order[j] (NULL: j). */
 void detinf_repack(int64_t format, const uint8_t *src, const int64_t *row_order, int64_t row_bytes, int64_t col0,
                    int64_t cols, uint8_t *dst) {
     if (format_block_values(format) == SUPER) {
-        repack_pieces(src, row_order, row_bytes, col0, cols, dst);
+        repack_supers(format, src, row_order, row_bytes, col0, cols, dst);
         return;
     }
     const int fields = x16_fields(format);

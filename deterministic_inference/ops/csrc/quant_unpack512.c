@@ -42,14 +42,7 @@ static void unpack_blocks(int64_t format, const uint8_t *const *rows, int64_t ro
     }
 }
 
-static void unpack_q45k(int64_t format, const qsrc *src, int64_t base, int64_t ahead, uint8_t *w) {
-    if (src->panel) { /* a repacked panel streams: the super-block two ahead */
-        const int64_t bytes = 16 * format_block_bytes(format);
-        for (int64_t line = 0; line < bytes; line += 64)
-            _mm_prefetch((const char *)(src->panel + 16 * base + 2 * bytes + line), _MM_HINT_T0);
-    } else {
-        for (int line = 0; line < 192; line += 64) prefetch_rows(src->rows, base + line, ahead);
-    }
+static void unpack_q45k(int64_t format, const qsrc *src, int64_t base, uint8_t *w) {
     __m512i qh[8];
     q45k_high_bits(format, src, base, qh);
     for (int t = 0; t < 4; t++) {
@@ -63,14 +56,24 @@ static void unpack_q45k(int64_t format, const qsrc *src, int64_t base, int64_t a
     }
 }
 
-static void unpack_q6k(const uint8_t *const *rows, int64_t base, int64_t ahead, uint8_t *w) {
-    for (int line = 0; line < 256; line += 64) prefetch_rows(rows, base + line, ahead);
+/* A repacked panel streams: ask for the super-block two ahead (stored rows: prefetch_rows per column) */
+static void prefetch_super(int64_t format, const qsrc *src, int64_t base, int64_t ahead) {
+    const int64_t bytes = format_block_bytes(format);
+    if (src->panel) {
+        for (int64_t line = 0; line < 16 * bytes; line += 64)
+            _mm_prefetch((const char *)(src->panel + 16 * base + 32 * bytes + line), _MM_HINT_T0);
+    } else {
+        for (int line = 0; line < (format == Q6_K ? 256 : 192); line += 64) prefetch_rows(src->rows, base + line, ahead);
+    }
+}
+
+static void unpack_q6k(const qsrc *src, int64_t base, uint8_t *w) {
     for (int h = 0; h < 2; h++) {
         __m512i qh[8];
-        q6k_high_bits(rows, base, h, qh);
+        q6k_high_bits(src, base, h, qh);
         for (int run = 0; run < 2; run++) {
             __m512i ql[8];
-            q6k_low_bits(rows, base, h, run, ql);
+            q6k_low_bits(src, base, h, run, ql);
             for (int t = run; t < 4; t += 2) {
                 __m512i g[8];
                 q6k_unit(ql, qh, t, g);
@@ -80,16 +83,17 @@ static void unpack_q6k(const uint8_t *const *rows, int64_t base, int64_t ahead, 
     }
 }
 
-/* Super-blocks of units [u0, u0 + units) of a K format from either source (Q6_K: stored rows only) */
+/* Super-blocks of units [u0, u0 + units) of a K format from either source */
 static void unpack_supers(int64_t format, const qsrc *src, int64_t ahead, int64_t u0, int64_t units, qpanel *p) {
     for (int64_t sb = 0; sb < units / 8; sb++) {
         const int64_t base = (u0 / 8 + sb) * format_block_bytes(format);
         uint8_t *w = p->w + sb * 8 * UNIT_BYTES;
+        prefetch_super(format, src, base, ahead);
         if (format == Q6_K) {
-            unpack_q6k(src->rows, base, ahead, w);
-            q6k_scales(src->rows, base, sb, p);
+            unpack_q6k(src, base, w);
+            q6k_scales(src, base, sb, p);
         } else {
-            unpack_q45k(format, src, base, ahead, w);
+            unpack_q45k(format, src, base, w);
             q45k_scales(src, base, sb, p);
         }
     }
@@ -105,7 +109,7 @@ void unpack_chunk_avx512(int64_t format, const uint8_t *const *rows, int64_t row
     unpack_supers(format, &src, ACC_COLS * row_bytes, u0, units, p);
 }
 
-/* The same bytes from a repacked Q4_K / Q5_K half panel (quant_repack.c) */
+/* The same bytes from a repacked Q4_K / Q5_K / Q6_K half panel (quant_repack.c) */
 void unpack_k_x16_avx512(int64_t format, const uint8_t *panel, int64_t u0, int64_t units, qpanel *p) {
     const qsrc src = {NULL, panel};
     unpack_supers(format, &src, 0, u0, units, p);

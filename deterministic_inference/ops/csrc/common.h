@@ -48,6 +48,15 @@ static inline float lane_sum(const float *x, int64_t n) {
     return lane_tree(lanes);
 }
 
+/* One step of exp_in_range: a * b + c with one rounding. DETINF_TEST_SEPARATE_STEPS (set only by the
+   tests' negative controls, never by the package) rounds the product and the sum apart, as revision 9 did:
+   a build whose exp differs by an ulp now and then, which the build comparisons must see. */
+#if defined(DETINF_TEST_SEPARATE_STEPS)
+#define EXP_STEP(a, b, c) ((a) * (b) + (c))
+#else
+#define EXP_STEP(a, b, c) fmaf(a, b, c)
+#endif
+
 /* exp(x) for x in [-87, 88] (callers clamp): x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-7
    Horner polynomial, times 2^n built from the exponent bits. Every step is one fused multiply-add
    (fmaf: one rounding; a vfmadd lane where the build has FMA, libm's correctly rounded fmaf where it
@@ -58,16 +67,16 @@ static inline float exp_in_range(float x) {
     const float round_magic = 12582912.0f; /* 1.5 * 2^23: x log2e + this rounds to an integer + this */
     const float ln2_hi = 0.693145751953125f; /* 15 significant bits: n * ln2_hi is exact for |n| < 2^9 */
     const float ln2_lo = 1.428606765330187045e-06f;
-    const float n = fmaf(x, log2e, round_magic) - round_magic; /* the subtraction is exact */
-    const float r = fmaf(-n, ln2_lo, fmaf(-n, ln2_hi, x));
+    const float n = EXP_STEP(x, log2e, round_magic) - round_magic; /* the subtraction is exact */
+    const float r = EXP_STEP(-n, ln2_lo, EXP_STEP(-n, ln2_hi, x));
     float p = 1.0f / 5040.0f;
-    p = fmaf(p, r, 1.0f / 720.0f);
-    p = fmaf(p, r, 1.0f / 120.0f);
-    p = fmaf(p, r, 1.0f / 24.0f);
-    p = fmaf(p, r, 1.0f / 6.0f);
-    p = fmaf(p, r, 0.5f);
-    p = fmaf(p, r, 1.0f);
-    p = fmaf(p, r, 1.0f);
+    p = EXP_STEP(p, r, 1.0f / 720.0f);
+    p = EXP_STEP(p, r, 1.0f / 120.0f);
+    p = EXP_STEP(p, r, 1.0f / 24.0f);
+    p = EXP_STEP(p, r, 1.0f / 6.0f);
+    p = EXP_STEP(p, r, 0.5f);
+    p = EXP_STEP(p, r, 1.0f);
+    p = EXP_STEP(p, r, 1.0f);
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);

@@ -109,6 +109,21 @@ INLINE void prefetch_rows(const uint8_t *const *rows, int64_t off, int64_t ahead
     for (int c = 0; c < QCOLS; c++) _mm_prefetch((const char *)(rows[c] + off + ahead), _MM_HINT_T0);
 }
 
+/* Ask for the K-format super-block at byte base of either source, `supers` super-blocks ahead in a
+   repacked panel (one stream) or `ahead` bytes ahead in each stored row (prefetch_rows) */
+INLINE void prefetch_super(int64_t format, const qsrc *src, int64_t base, int64_t supers, int64_t ahead) {
+    const int64_t bytes = format_block_bytes(format);
+    if (src->panel) {
+        for (int64_t line = 0; line < 16 * bytes; line += 64)
+            _mm_prefetch((const char *)(src->panel + 16 * (base + supers * bytes) + line), _MM_HINT_T0);
+        return;
+    }
+    for (int line = 0; line < 256 && line < bytes + 63; line += 64) prefetch_rows(src->rows, base + line, ahead);
+}
+
+/* 16 consecutive fp16 numbers at `at`, as fp32 (exact) */
+INLINE __m512 halves16(const uint8_t *at) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at)); }
+
 /* 16 fp16 numbers at rows[c] + off, as fp32 (exact) */
 INLINE __m512 halves_at(const uint8_t *const *rows, int64_t off) {
     uint16_t h[QCOLS];
@@ -204,8 +219,7 @@ INLINE void q6k_scales(const qsrc *src, int64_t base, int64_t sb, qpanel *p) {
         const __m512i scale = _mm512_srai_epi32(_mm512_slli_epi32(t[j / 4], 24u - 8u * (unsigned)(j % 4)), 24);
         _mm512_storeu_si512(p->sc + (sb * 16 + j) * QCOLS, scale);
     }
-    const __m512 d = src->panel ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src->panel + 16 * (base + 208))))
-                                : halves_at(src->rows, base + 208);
+    const __m512 d = src->panel ? halves16(src->panel + 16 * (base + 208)) : halves_at(src->rows, base + 208);
     _mm512_storeu_ps(p->d + sb * QCOLS, d);
 }
 

@@ -93,16 +93,10 @@ void detinf_repack(int64_t format, const uint8_t *src, const int64_t *row_order,
     }
 }
 
-#if defined(DETINF_Q_AVX512)
-static inline __m512 x16_halves(const uint8_t *at) { /* 16 fp16 numbers as fp32 (exact) */
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
-}
-#endif
-
 /* One unit's 16 fp16 fields at `at` -> 16 fp32 at out (exact conversions, so any path gives the same). */
 static inline void x16_fields_f32(const uint8_t *at, float *out) {
 #if defined(DETINF_Q_AVX512)
-    _mm512_storeu_ps(out, x16_halves(at)); /* GCC left this as 16 scalar conversions */
+    _mm512_storeu_ps(out, halves16(at)); /* GCC left this as 16 scalar conversions */
 #else
     for (int c = 0; c < QCOLS; c++) out[c] = f16_to_f32(load_u16(at + 2 * c));
 #endif
@@ -157,8 +151,8 @@ INLINE void fused_x16(const uint8_t *panel, const xquant *xq, const int R, const
             _mm_prefetch((const char *)(q + 4096 + line), _MM_HINT_T0);
         if (b % 2 == 0) _mm_prefetch((const char *)(d + X16_FIELD_BYTES * b + 512), _MM_HINT_T0);
         if (has_min && b % 2 == 0) _mm_prefetch((const char *)(m + X16_FIELD_BYTES * b + 512), _MM_HINT_T0);
-        const __m512 scale = x16_halves(d + X16_FIELD_BYTES * b);
-        const __m512 min = has_min ? x16_halves(m + X16_FIELD_BYTES * b) : _mm512_setzero_ps();
+        const __m512 scale = halves16(d + X16_FIELD_BYTES * b);
+        const __m512 min = has_min ? halves16(m + X16_FIELD_BYTES * b) : _mm512_setzero_ps();
         __m512i low[4], high[4]; /* values 4t..4t+3, and 16 times values 16+4t..16+4t+3, of every column */
 #pragma GCC unroll 4
         for (int t = 0; t < 4; t++) {
@@ -198,7 +192,7 @@ INLINE void fused_x16_q8(const uint8_t *panel, const xquant *xq, const int R, fl
         for (int line = 0; line < qs_bytes; line += 64) /* 16 blocks ahead, as fused_x16 */
             _mm_prefetch((const char *)(q + 16 * qs_bytes + line), _MM_HINT_T0);
         if (b % 2 == 0) _mm_prefetch((const char *)(d + X16_FIELD_BYTES * b + 512), _MM_HINT_T0);
-        const __m512 scale = x16_halves(d + X16_FIELD_BYTES * b);
+        const __m512 scale = halves16(d + X16_FIELD_BYTES * b);
         __m512i w[8]; /* group t: values 4t..4t+3 (+ 128) of every column */
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) w[t] = _mm512_loadu_si512(q + 64 * t);

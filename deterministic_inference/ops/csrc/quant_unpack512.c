@@ -56,17 +56,6 @@ static void unpack_q45k(int64_t format, const qsrc *src, int64_t base, uint8_t *
     }
 }
 
-/* A repacked panel streams: ask for the super-block two ahead (stored rows: prefetch_rows per column) */
-static void prefetch_super(int64_t format, const qsrc *src, int64_t base, int64_t ahead) {
-    const int64_t bytes = format_block_bytes(format);
-    if (src->panel) {
-        for (int64_t line = 0; line < 16 * bytes; line += 64)
-            _mm_prefetch((const char *)(src->panel + 16 * base + 32 * bytes + line), _MM_HINT_T0);
-    } else {
-        for (int line = 0; line < (format == Q6_K ? 256 : 192); line += 64) prefetch_rows(src->rows, base + line, ahead);
-    }
-}
-
 static void unpack_q6k(const qsrc *src, int64_t base, uint8_t *w) {
     for (int h = 0; h < 2; h++) {
         __m512i qh[8];
@@ -88,7 +77,7 @@ static void unpack_supers(int64_t format, const qsrc *src, int64_t ahead, int64_
     for (int64_t sb = 0; sb < units / 8; sb++) {
         const int64_t base = (u0 / 8 + sb) * format_block_bytes(format);
         uint8_t *w = p->w + sb * 8 * UNIT_BYTES;
-        prefetch_super(format, src, base, ahead);
+        prefetch_super(format, src, base, 2, ahead); /* a repacked panel: two super-blocks ahead */
         if (format == Q6_K) {
             unpack_q6k(src, base, w);
             q6k_scales(src, base, sb, p);

@@ -33,31 +33,74 @@ INLINE void scores_n(int n, int bf16, const float *qt, const void *keys_t, int64
     }
 }
 
+/* scores_n over two blocks at once (offsets o0, o1; scores to s0, s1), for n <= MAX_SHARED_ROWS / 2: a
+   lane's score is a chain of dependent fused multiply-adds (d ascending), so a few rows against one block
+   wait on the FMA latency (decode: 3 rows); two blocks put 2 n chains in flight. Each key's score is the
+   same sequence as scores_n's: the same bits. */
+INLINE void scores2_n(int n, int bf16, const float *qt, const void *keys_t, int64_t o0, int64_t o1, int64_t dim,
+                      float scale, float *s0, float *s1) {
+    f32x16 lanes[2][MAX_SHARED_ROWS / 2];
+#pragma GCC unroll 6
+    for (int i = 0; i < n; i++) lanes[0][i] = lanes[1][i] = (f32x16){0};
+    for (int64_t d = 0; d < dim; d++) {
+        const f32x16 k0 = load16(keys_t, o0 + d * 16, bf16), k1 = load16(keys_t, o1 + d * 16, bf16);
+#pragma GCC unroll 6
+        for (int i = 0; i < n; i++) {
+            lanes[0][i] = fma16(qt[d * n + i], k0, lanes[0][i]);
+            lanes[1][i] = fma16(qt[d * n + i], k1, lanes[1][i]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < n; i++) {
+        const f32x16 scaled0 = lanes[0][i] * scale, scaled1 = lanes[1][i] * scale;
+        memcpy(s0 + i * 16, &scaled0, sizeof scaled0);
+        memcpy(s1 + i * 16, &scaled1, sizeof scaled1);
+    }
+}
+
 /* Value sums of n rows (literal) over keys first..end-1 of one block: p[i * 16 + l] is row i's weight of
-   key l, acc[i * dim + d] its sum. */
-INLINE void values_n(int n, int bf16, const float *p, const void *v_cache, int64_t offset, int64_t first,
+   key l, acc[i * dim + d] its sum. `per` (literal) 16-dim slices of every row are summed side by side: a
+   sum is a chain of dependent fused multiply-adds (one per key), so with few rows one slice at a time
+   waits on the FMA latency; n * per chains in flight keep the FMA units busy. Each (row, dim) still adds
+   its keys ascending: the same bits for any `per`. */
+INLINE void values_n(int n, int per, int bf16, const float *p, const void *v_cache, int64_t offset, int64_t first,
                      int64_t end, int64_t dim, float *acc) {
-    for (int64_t d = 0; d < dim; d += 16) {
-        f32x16 sums[MAX_SHARED_ROWS];
+    for (int64_t d = 0; d < dim; d += 16 * per) {
+        f32x16 sums[MAX_SHARED_ROWS]; /* sums[i * per + c]: row i, dims d + 16 c .. */
 #pragma GCC unroll 12
-        for (int i = 0; i < n; i++) memcpy(&sums[i], acc + i * dim + d, sizeof sums[i]);
+        for (int s = 0; s < n * per; s++) memcpy(&sums[s], acc + s / per * dim + d + 16 * (s % per), sizeof sums[s]);
         if (first == 0 && end == 16) { /* a whole block: the key loop unrolled, no exit branch to mispredict */
 #pragma GCC unroll 16
             for (int64_t l = 0; l < 16; l++) {
-                const f32x16 v = load16(v_cache, offset + l * dim + d, bf16);
+#pragma GCC unroll 4
+                for (int c = 0; c < per; c++) {
+                    const f32x16 v = load16(v_cache, offset + l * dim + d + 16 * c, bf16);
 #pragma GCC unroll 12
-                for (int i = 0; i < n; i++) sums[i] = fma16(p[i * 16 + l], v, sums[i]);
+                    for (int i = 0; i < n; i++) sums[i * per + c] = fma16(p[i * 16 + l], v, sums[i * per + c]);
+                }
             }
         } else {
             for (int64_t l = first; l < end; l++) {
-                const f32x16 v = load16(v_cache, offset + l * dim + d, bf16);
+#pragma GCC unroll 4
+                for (int c = 0; c < per; c++) {
+                    const f32x16 v = load16(v_cache, offset + l * dim + d + 16 * c, bf16);
 #pragma GCC unroll 12
-                for (int i = 0; i < n; i++) sums[i] = fma16(p[i * 16 + l], v, sums[i]);
+                    for (int i = 0; i < n; i++) sums[i * per + c] = fma16(p[i * 16 + l], v, sums[i * per + c]);
+                }
             }
         }
 #pragma GCC unroll 12
-        for (int i = 0; i < n; i++) memcpy(acc + i * dim + d, &sums[i], sizeof sums[i]);
+        for (int s = 0; s < n * per; s++) memcpy(acc + s / per * dim + d + 16 * (s % per), &sums[s], sizeof sums[s]);
     }
+}
+
+/* values_n with as many slices side by side as the registers hold (n * per <= MAX_SHARED_ROWS) and dim
+   allows; n and bf16 literal, so only the branches that fit are compiled. */
+INLINE void values_wide(int n, int bf16, const float *p, const void *v_cache, int64_t offset, int64_t first,
+                        int64_t end, int64_t dim, float *acc) {
+    if (4 * n <= MAX_SHARED_ROWS && dim % 64 == 0) values_n(n, 4, bf16, p, v_cache, offset, first, end, dim, acc);
+    else if (2 * n <= MAX_SHARED_ROWS && dim % 32 == 0) values_n(n, 2, bf16, p, v_cache, offset, first, end, dim, acc);
+    else values_n(n, 1, bf16, p, v_cache, offset, first, end, dim, acc);
 }
 
 #define SCORES_CASE(N)                                                       \
@@ -65,10 +108,15 @@ INLINE void values_n(int n, int bf16, const float *p, const void *v_cache, int64
         if (bf16) scores_n(N, 1, qt, keys_t, offset, dim, scale, scores);    \
         else scores_n(N, 0, qt, keys_t, offset, dim, scale, scores);         \
         break;
+#define SCORES2_CASE(N)                                                               \
+    case N:                                                                           \
+        if (bf16) scores2_n(N, 1, qt, keys_t, o0, o1, dim, scale, s0, s1);            \
+        else scores2_n(N, 0, qt, keys_t, o0, o1, dim, scale, s0, s1);                 \
+        break;
 #define VALUES_CASE(N)                                                       \
     case N:                                                                  \
-        if (bf16) values_n(N, 1, p, v_cache, offset, first, end, dim, acc);  \
-        else values_n(N, 0, p, v_cache, offset, first, end, dim, acc);       \
+        if (bf16) values_wide(N, 1, p, v_cache, offset, first, end, dim, acc); \
+        else values_wide(N, 0, p, v_cache, offset, first, end, dim, acc);      \
         break;
 #define CASES_1_TO_12(CASE) \
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
@@ -78,6 +126,15 @@ __attribute__((visibility("hidden"))) void detinf_rows_scores16(int n, const flo
                                                                 float *scores) {
     switch (n) {
         CASES_1_TO_12(SCORES_CASE)
+    default: break;
+    }
+}
+
+__attribute__((visibility("hidden"))) void detinf_rows_scores16x2(int n, const float *qt, const void *keys_t,
+                                                                  int64_t o0, int64_t o1, int64_t dim, int bf16,
+                                                                  float scale, float *s0, float *s1) {
+    switch (n) {
+        SCORES2_CASE(1) SCORES2_CASE(2) SCORES2_CASE(3) SCORES2_CASE(4) SCORES2_CASE(5) SCORES2_CASE(6)
     default: break;
     }
 }
@@ -107,6 +164,14 @@ static inline void prefetch_slice(const attention_args *a, int64_t block_id, int
         __builtin_prefetch(base + line, 0, 2);
         __asm__ __volatile__("" : : "r"(base + line));
     }
+}
+
+/* The key pass's prefetch at block b: the keys LOOKAHEAD_BLOCKS ahead, near the end the first value blocks. */
+static inline void prefetch_keys_ahead(const attention_args *a, const int64_t *table, int64_t num_blocks, int64_t b,
+                                       int64_t kvh) {
+    const int64_t ahead = b + LOOKAHEAD_BLOCKS;
+    if (ahead < num_blocks) prefetch_slice(a, table[ahead], kvh, 0);
+    else if (ahead - num_blocks < num_blocks) prefetch_slice(a, table[ahead - num_blocks], kvh, 1);
 }
 
 /* The tile's rows (query token x head) are taken KV head by KV head, in (token, head) order, and cut
@@ -191,13 +256,24 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
     const int64_t stride = num_blocks * 16, first_chunk = kvh * per_head, end_chunk = first_chunk + per_head;
     for (int64_t index = first_chunk; index < end_chunk; index++)
         chunk_queries(a, r0, tokens, nth_chunk(per_kvh, index), w);
-    for (int64_t b = 0; b < num_blocks; b++) { /* every chunk while the block is in L1 */
-        const int64_t ahead = b + LOOKAHEAD_BLOCKS; /* near the end: the first value blocks */
-        if (ahead < num_blocks) prefetch_slice(a, table[ahead], kvh, 0);
-        else if (ahead - num_blocks < num_blocks) prefetch_slice(a, table[ahead - num_blocks], kvh, 1);
+    /* one chunk of few rows (decode: a token's query heads of the KV head): two blocks at a time */
+    const int paired = per_head == 1 && per_kvh <= MAX_SHARED_ROWS / 2;
+    for (int64_t b = 0; b < num_blocks;) { /* every chunk while the block is in L1 */
+        prefetch_keys_ahead(a, table, num_blocks, b, kvh);
         const int64_t offset = (table[b] * a->kv_heads + kvh) * dim * 16;
+        if (paired && b + 1 < num_blocks) {
+            prefetch_keys_ahead(a, table, num_blocks, b + 1, kvh);
+            const chunk c = nth_chunk(per_kvh, first_chunk);
+            float *scores = w->scores + c.scratch * stride + b * c.count * 16;
+            detinf_rows_scores16x2((int)c.count, w->tile + c.scratch * dim, a->k_cache, offset,
+                                   (table[b + 1] * a->kv_heads + kvh) * dim * 16, dim, a->bf16, a->scale, scores,
+                                   scores + c.count * 16);
+            b += 2;
+            continue;
+        }
         for (int64_t index = first_chunk; index < end_chunk; index++)
             chunk_scores(a, offset, b, nth_chunk(per_kvh, index), stride, w);
+        b += 1;
     }
     for (int64_t index = first_chunk; index < end_chunk; index++) {
         const chunk c = nth_chunk(per_kvh, index);

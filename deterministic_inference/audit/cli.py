@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from deterministic_inference.audit.modes import MODES, AuditSettings
+from deterministic_inference.audit import MODES
 
 
 def register_audit(subparsers: Any) -> None:
@@ -55,6 +55,7 @@ def register_audit(subparsers: Any) -> None:
 def run_audit(args: argparse.Namespace) -> int:
     """Runs the audit, prints one line per case, writes the report; exit code per the module doc."""
     from deterministic_inference.audit.client import AuditError, Endpoint
+    from deterministic_inference.audit.modes import AuditSettings
     from deterministic_inference.audit.runner import run, write_report
 
     for name in ("n_trials", "concurrency", "requests", "max_tokens", "seeds", "max_prompt_tokens"):

@@ -25,8 +25,6 @@ from typing import Any
 from deterministic_inference.audit.client import AuditClient, Sample
 from deterministic_inference.audit.prompts import TARGET_PROMPTS, long_text, random_prompt
 
-MODES = ("single", "mixed", "prefix", "radix", "concurrency", "sampling", "p_vs_d")
-
 
 @dataclass(frozen=True)
 class AuditSettings:

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from deterministic_inference.audit import MODES
 from deterministic_inference.audit.client import Sample, completion_sample
-from deterministic_inference.audit.modes import MODES
 from deterministic_inference.cli.main import main
 from deterministic_inference.server.app import ServerSettings
 from tests.server.harness import TINY_NAME, RunningServer, thread_server, tiny_config

@@ -85,7 +85,7 @@ def test_named_repository_files_and_tests_exist() -> None:
 
 
 def test_the_audit_page_describes_every_mode() -> None:
-    from deterministic_inference.audit.modes import MODES
+    from deterministic_inference.audit import MODES
 
     page = (DOCS / "audit.md").read_text(encoding="utf-8")
     for mode in (*MODES, "all"):

@@ -22,7 +22,6 @@ from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache, write_kv
 from deterministic_inference.ops.backend import Numerics, OpsBackend, select_backend
 from deterministic_inference.ops.linear import Linear
-from deterministic_inference.ops.rope import RotaryTable
 
 PROBE_ROWS = 4  # random rows probed per row op (whether a kernel differs can depend on the data)
 BLOCK_SIZE = 16  # KV-cache block size of the attention probe (the engine's default)
@@ -235,7 +234,9 @@ def rotary_fn(ops: OpsBackend, spec: ModelSpec) -> RowFn:
     """[M, qkv width] rows -> [M, ...] = (rotated q, rotated k and v as read back from a cache); the
     position is a function of the row's own data."""
     heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    rotary = RotaryTable(dim, spec.rope_theta, 4096, spec.rope_scaling)
+    # the backend's own tables, as the model builds them (the native backend's come from our kernels:
+    # torch's cos / sin would page in ~4 MB of its code that a serving process never runs otherwise)
+    rotary = ops.rotary_table(dim, spec.rope_theta, 4096, spec.rope_scaling)
 
     def rope(x: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]

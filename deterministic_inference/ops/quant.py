@@ -47,6 +47,7 @@ _SUPPORTED = ", ".join(FORMATS)
 TEST_BATCH_SCALE = 1  # activation block scales from the largest |x| over all rows of the call
 TEST_REVERSE = 2  # blocks in descending order (16-unit chunks)
 TEST_REVERSE_ODD_THREADS = 4  # the same on odd-numbered OpenMP threads only
+TEST_NO_AMX = 8  # the AVX-512 VNNI tiles where the AMX-INT8 ones would run (same bits: tests compare)
 
 
 class UnsupportedWeightFormat(DetinfError):
@@ -250,6 +251,12 @@ class QuantLinear:
         return out
 
 
+def uses_amx(kernels: NativeKernels) -> bool:
+    """True when these kernels run calls of 16 rows or more of the 32-value formats on AMX-INT8 tiles
+    (the CPU has them, the build was made for it and the OS granted them); speed only, same bits."""
+    return bool(_library(kernels).detinf_quant_uses_amx())
+
+
 def _checked_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | None:
     if bias is None:
         return None
@@ -298,6 +305,8 @@ def _library(kernels: NativeKernels) -> ctypes.CDLL:
         c_int,
         c_int,
     ]
+    library.detinf_quant_uses_amx.restype = c_int
+    library.detinf_quant_uses_amx.argtypes = []
     library.detinf_dequantize.restype = None
     library.detinf_dequantize.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, c_int]
     library.detinf_quantize_q8_0.restype = None

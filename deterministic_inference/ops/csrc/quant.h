@@ -37,8 +37,9 @@
    depends on m, the row's position, the other rows, the thread or the ISA: columns are shared out in
    panels of 16, each output computed whole by one thread in the order above.
 
-   Build paths: AVX512-VNNI (VPDPBUSD), AVX2 (VPMADDUBSW emulation, exact), portable C (fmaf). The bits
-   are the same; tests build all three and compare. */
+   Build paths: AMX-INT8 (TDPBSUD, 16 rows at a time, 32-value formats, when the CPU and kernel allow it),
+   AVX512-VNNI (VPDPBUSD), AVX2 (VPMADDUBSW emulation, exact), portable C (fmaf). The bits are the same;
+   tests build all of them and compare. */
 
 #ifndef DETINF_QUANT_H
 #define DETINF_QUANT_H
@@ -50,6 +51,9 @@
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__)
 #define DETINF_Q_AVX2 1
+#endif
+#if defined(DETINF_Q_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define DETINF_Q_AMX 1 /* AMX-INT8 tiles for 16 rows at a time (quant_amx.c), when the kernel grants them */
 #endif
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -70,12 +74,14 @@ static inline int64_t stored_format(int64_t id) { return id >= X16 ? id - X16 : 
 #define SUPER 256      /* values per K super-block */
 #define UNIT_BYTES 512 /* unpacked unit of a panel: [8 groups][16 columns][4 values] u8 */
 #define CHUNK_UNITS 16 /* units unpacked at a time (8 KB of scratch) */
+#define AMX_ROWS 16    /* rows per AMX tile */
 #define FUSED_ROWS 4   /* up to this many rows, the AVX-512 build multiplies blocks as it unpacks them */
 
 /* test hooks (negative controls of the tests; the package never sets them) */
 #define QTEST_BATCH_SCALE 1 /* activation block scales from the largest |x| over ALL rows of the call */
 #define QTEST_REVERSE 2     /* blocks (chunks of 16 units) in descending order */
 #define QTEST_REVERSE_ODD 4 /* the same, on odd-numbered threads only */
+#define QTEST_NO_AMX 8      /* the VNNI tiles where the AMX ones would run (the tests compare the two) */
 
 /* One stacked part of a linear, as Python's QuantLinear passes it (ctypes mirror in ops/quant.py). */
 typedef struct {
@@ -229,6 +235,15 @@ void kernel_rows256(int64_t format, const xquant *xq, int64_t r0, int64_t count,
 void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0, int64_t units, qpanel *p);
 #if defined(DETINF_Q_AVX512)
 void fused_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, float *acc);
+#endif
+#if defined(DETINF_Q_AMX)
+/* quant_amx.c: amx_usable once per process; amx_begin / amx_end around a thread's use of the tiles;
+   amx_rows: rows [r0, r0 + 16 tiles) x the chunk of a 32-value format (the bits of kernel_rows) */
+int amx_usable(void);
+void amx_begin(void);
+void amx_end(void);
+void amx_rows(int64_t format, const xquant *xq, int64_t r0, int64_t tiles, int64_t u0, int64_t units,
+              const qpanel *p, int halves, float *acc);
 #endif
 /* quant_kernels.c: rows [r0, r0 + count) over the chunk of 1 or 2 halves; acc [count][32] in and out */
 void kernel_rows(int64_t format, const xquant *xq, int64_t r0, int64_t count, int64_t u0, int64_t units,

@@ -20,7 +20,8 @@ typedef struct {
     const float *bias; /* [n] or NULL */
     void *out;         /* [m][n] fp32, or bf16 when out_bf16 */
     int out_bf16;
-    int flags; /* QTEST_* (tests only) */
+    int flags;         /* QTEST_* (tests only) */
+    int64_t amx_tiles; /* 32-value formats: rows [0, 16 amx_tiles) go through the AMX tiles (quant_amx.c) */
 } gemm_call;
 
 /* Per-thread work space: one chunk of the two halves of a panel, and the running sums of every row. */
@@ -136,13 +137,19 @@ static void compute_panel(const gemm_call *call, const detinf_qpart *part, const
         return;
     }
 #endif
+    /* rows the AMX tiles take (32-value formats only); the rest go through kernel_rows, with the same bits */
+    const int64_t amx_done = xq == call->x32 ? call->amx_tiles * AMX_ROWS : 0;
     memset(ws->acc, 0, sizeof(float) * (size_t)(call->m * ACC_COLS)); /* acc = +0 */
     for (int64_t i = 0; i < chunks; i++) {
         const int64_t chunk = reverse ? chunks - 1 - i : i;
         const int64_t u0 = chunk * CHUNK_UNITS;
         const int64_t count = units - u0 < CHUNK_UNITS ? units - u0 : CHUNK_UNITS;
         for (int h = 0; h < halves; h++) unpack_half(&src, h, part->row_bytes, units, u0, count, &ws->halves[h]);
-        kernel_rows(src.format, xq, 0, call->m, u0, count, ws->halves, halves, ws->acc);
+#if defined(DETINF_Q_AMX)
+        if (amx_done) amx_rows(src.format, xq, 0, call->amx_tiles, u0, count, ws->halves, halves, ws->acc);
+#endif
+        kernel_rows(src.format, xq, amx_done, call->m - amx_done, u0, count, ws->halves, halves,
+                    ws->acc + amx_done * ACC_COLS);
     }
     store_panel(call, ws->acc, ref->out_col, cols);
 }
@@ -172,14 +179,33 @@ static int run_panels(const gemm_call *call, const detinf_qpart *parts, const pa
         workspace ws;
         const int failed = workspace_alloc(&ws, call->m);
         status |= failed;
+#if defined(DETINF_Q_AMX)
+        if (call->amx_tiles) amx_begin(); /* the tile configuration is per thread */
+#endif
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < count; i++) {
             if (!failed) compute_panel(call, &parts[refs[i].part], &refs[i], &ws);
         }
+#if defined(DETINF_Q_AMX)
+        if (call->amx_tiles) amx_end();
+#endif
         free(ws.block);
     }
     return status;
 }
+
+/* How many 16-row tiles of an m-row call the AMX path takes: m / 16 when this build has it, the kernel
+   grants it and the tests did not switch it off; else 0. Speed only: the bits are those of kernel_rows. */
+static int64_t amx_tile_count(int64_t m, int flags) {
+#if defined(DETINF_Q_AMX)
+    if (m >= AMX_ROWS && !(flags & QTEST_NO_AMX) && amx_usable()) return m / AMX_ROWS;
+#endif
+    (void)m, (void)flags;
+    return 0;
+}
+
+/* 1 when this build and process run the AMX tiles for calls of 16 rows or more, else 0. */
+int detinf_quant_uses_amx(void) { return amx_tile_count(AMX_ROWS, 0) > 0; }
 
 /* out [m][n] = x [m][k] (fp32, or bf16 when x_bf16) times the parts' rows stacked (n = their columns),
    + bias [n] fp32 (or NULL); out fp32, or bf16 when out_bf16. Inputs were checked by ops/quant.py.
@@ -199,7 +225,7 @@ int detinf_quant_gemm(const void *x, int64_t m, int64_t k, int x_bf16, const det
     if (!status) {
         if (need32) xquant_rows(&x32, x, m, x_bf16, flags & QTEST_BATCH_SCALE);
         if (need256) xquant_rows(&x256, x, m, x_bf16, flags & QTEST_BATCH_SCALE);
-        const gemm_call call = {&x32, &x256, m, n, bias, out, out_bf16, flags};
+        const gemm_call call = {&x32, &x256, m, n, bias, out, out_bf16, flags, amx_tile_count(m, flags)};
         status = run_panels(&call, parts, refs, count, k);
     }
     free(refs);

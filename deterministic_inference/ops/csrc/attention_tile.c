@@ -154,12 +154,17 @@ __attribute__((visibility("hidden"))) void detinf_rows_values16(int n, const flo
    block two ahead (keys, then values) into L2 brought it to 17 ms. Prefetches change no value. */
 #define LOOKAHEAD_BLOCKS 2
 
+/* Where KV head kvh's 16 keys (or values) of cache block block_id start, in elements. */
+static inline int64_t slice_offset(const attention_args *a, int64_t block_id, int64_t kvh) {
+    return (block_id * a->kv_heads + kvh) * a->head_dim * 16;
+}
+
 /* Asks for the lines of one KV head's keys or values in one cache block into L2 (locality 2). GCC
    deletes a loop whose body is only __builtin_prefetch as an empty loop; the empty volatile asm that
    uses the address keeps it (it emits no instruction). */
 static inline void prefetch_slice(const attention_args *a, int64_t block_id, int64_t kvh, int values) {
-    const int64_t bytes = a->head_dim * 16 * (a->bf16 ? 2 : 4);
-    const char *base = (const char *)(values ? a->v_cache : a->k_cache) + (block_id * a->kv_heads + kvh) * bytes;
+    const int64_t element = a->bf16 ? 2 : 4, bytes = a->head_dim * 16 * element;
+    const char *base = (const char *)(values ? a->v_cache : a->k_cache) + slice_offset(a, block_id, kvh) * element;
     for (int64_t line = 0; line < bytes; line += 64) {
         __builtin_prefetch(base + line, 0, 2);
         __asm__ __volatile__("" : : "r"(base + line));
@@ -210,12 +215,22 @@ static void chunk_scores(const attention_args *a, int64_t offset, int64_t b, chu
     detinf_rows_scores16((int)n, w->tile + c.scratch * dim, a->k_cache, offset, dim, a->bf16, a->scale, scores);
 }
 
+/* chunk_scores over blocks b and b + 1 at once (keys at offset and next): the same scores, the same
+   places. */
+static void chunk_scores2(const attention_args *a, int64_t offset, int64_t next, int64_t b, chunk c,
+                          int64_t stride, const workspace *w) {
+    const int64_t dim = a->head_dim, n = c.count;
+    float *scores = w->scores + c.scratch * stride + b * n * 16;
+    detinf_rows_scores16x2((int)n, w->tile + c.scratch * dim, a->k_cache, offset, next, dim, a->bf16, a->scale,
+                           scores, scores + n * 16);
+}
+
 /* Value pass of one chunk over block b. A block every row of the tile sees whole (b * 16 + 16 <=
    min_keys) is shared; in the tile's last blocks each row adds exactly its own keys, alone. */
 static void chunk_values(const attention_args *a, int64_t block_id, int64_t b, int64_t tokens, chunk c,
                          const int64_t *keys, int64_t min_keys, int64_t stride, const workspace *w) {
     const int64_t dim = a->head_dim, n = c.count, group = a->heads / a->kv_heads, per_kvh = tokens * group;
-    const int64_t offset = (block_id * a->kv_heads + c.first / per_kvh) * 16 * dim;
+    const int64_t offset = slice_offset(a, block_id, c.first / per_kvh);
     const float *p = w->scores + c.scratch * stride + b * n * 16;
     float *acc = w->acc + c.scratch * dim;
     if ((b + 1) * 16 <= min_keys) {
@@ -260,14 +275,10 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
     const int paired = per_head == 1 && per_kvh <= MAX_SHARED_ROWS / 2;
     for (int64_t b = 0; b < num_blocks;) { /* every chunk while the block is in L1 */
         prefetch_keys_ahead(a, table, num_blocks, b, kvh);
-        const int64_t offset = (table[b] * a->kv_heads + kvh) * dim * 16;
+        const int64_t offset = slice_offset(a, table[b], kvh);
         if (paired && b + 1 < num_blocks) {
             prefetch_keys_ahead(a, table, num_blocks, b + 1, kvh);
-            const chunk c = nth_chunk(per_kvh, first_chunk);
-            float *scores = w->scores + c.scratch * stride + b * c.count * 16;
-            detinf_rows_scores16x2((int)c.count, w->tile + c.scratch * dim, a->k_cache, offset,
-                                   (table[b + 1] * a->kv_heads + kvh) * dim * 16, dim, a->bf16, a->scale, scores,
-                                   scores + c.count * 16);
+            chunk_scores2(a, offset, slice_offset(a, table[b + 1], kvh), b, nth_chunk(per_kvh, first_chunk), stride, w);
             b += 2;
             continue;
         }

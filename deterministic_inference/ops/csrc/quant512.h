@@ -1,8 +1,9 @@
-/* AVX-512 pieces shared by the quantized GEMM's unpacking (quant_unpack512.c) and its fused few-row path
-   (quant_gemv512.c): they turn GGUF blocks of 16 rows into vectors of 4 values of each of the 16 columns
-   (the lanes VPDPBUSD multiplies), moving integers only. The core is a transpose: 16 bytes of each
-   column's row become 4 vectors, vector i holding bytes 4i..4i+3 of every column in column order;
-   fields, nibbles and high bits are then cut out of all 16 columns at once. */
+/* AVX-512 pieces shared by the quantized GEMM's unpacking (quant_unpack512.c), its fused few-row path
+   (quant_gemv512.c) and its tiles (quant_kernels.c, quant_amx.c: x_word, as_float). Most turn GGUF
+   blocks of 16 rows into vectors of 4 values of each of the 16 columns (the lanes VPDPBUSD multiplies),
+   moving integers only. The core is a transpose: 16 bytes of each column's row become 4 vectors, vector
+   i holding bytes 4i..4i+3 of every column in column order; fields, nibbles and high bits are then cut
+   out of all 16 columns at once. */
 
 #ifndef DETINF_QUANT512_H
 #define DETINF_QUANT512_H

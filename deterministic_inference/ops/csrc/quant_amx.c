@@ -15,7 +15,7 @@
    halves at once; one (row, half) at a time waited on the latency of its dependent fused multiply-adds
    and made the whole path slower than VNNI (0.5-1.0x). */
 
-#include "quant.h"
+#include "quant512.h" /* as_float */
 
 #if defined(DETINF_Q_AMX)
 
@@ -109,8 +109,7 @@ INLINE void scale_rows(int64_t format, const xquant *xq, int64_t first, int r0, 
                     _mm512_load_si512(sums + ((i * 2 + h) * AMX_ROWS + r0 + r) * QCOLS),
                     _mm512_set1_epi32(offset * xq->s32[at]));
                 const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xq->d[at]));
-                const __m512 sum = _mm512_cvt_roundepi32_ps(isum, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                f[r][h] = _mm512_fmadd_ps(scale, sum, f[r][h]);
+                f[r][h] = _mm512_fmadd_ps(scale, as_float(isum), f[r][h]);
             }
             if (!format_has_min(format)) continue;
             const __m512 mw = _mm512_loadu_ps(p[h].m + (uu + i) * QCOLS);

@@ -5,7 +5,7 @@
    Paths: AVX-512 VNNI (VPDPBUSD: unsigned weight bytes x signed activation bytes, 4 products per int32
    lane), AVX2 (quant_kernels256.c, whole row counts at once), portable C below. */
 
-#include "quant.h"
+#include "quant512.h" /* x_word, as_float */
 
 #if defined(DETINF_Q_AVX512)
 #define ROW_TILE 4 /* rows per register tile, times 2 halves of 16 columns (accumulators: 3 x 8 zmm at most) */
@@ -76,14 +76,6 @@ static void row_super_c(int64_t format, const xquant *xq, int64_t row, int64_t u
 /* ---------------------------------------------------------------- AVX-512 VNNI: R rows x 16 columns */
 #if defined(DETINF_Q_AVX512)
 
-INLINE __m512i x_group(const int8_t *x) { /* 4 activation bytes broadcast to every lane */
-    int32_t word;
-    memcpy(&word, x, sizeof word);
-    return _mm512_set1_epi32(word);
-}
-
-INLINE __m512 to_float(__m512i v) { return _mm512_cvt_roundepi32_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-
 /* rows [r0, r0 + R) x H halves of 16 columns (p[0], p[1]) over a chunk of 32-value blocks; acc [R][32] */
 INLINE void tile_blocks(int64_t format, const xquant *xq, int64_t r0, const int R, const int H, int64_t u0,
                         int64_t units, const qpanel *p, float *acc) {
@@ -104,7 +96,7 @@ INLINE void tile_blocks(int64_t format, const xquant *xq, int64_t r0, const int 
             __m512i w[2];
             for (int h = 0; h < H; h++) w[h] = _mm512_load_si512((const __m512i *)(p[h].w + uu * UNIT_BYTES) + g);
             for (int r = 0; r < R; r++) {
-                const __m512i xg = x_group(x + r * k + 4 * g);
+                const __m512i xg = x_word(x + r * k + 4 * g);
                 for (int h = 0; h < H; h++) s[h][r] = _mm512_dpbusd_epi32(s[h][r], w[h], xg);
             }
         }
@@ -112,7 +104,7 @@ INLINE void tile_blocks(int64_t format, const xquant *xq, int64_t r0, const int 
             const __m512 dw = _mm512_loadu_ps(p[h].d + uu * QCOLS);
             for (int r = 0; r < R; r++) {
                 const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xq->d[(r0 + r) * blocks + u]));
-                f[h][r] = _mm512_fmadd_ps(scale, to_float(s[h][r]), f[h][r]);
+                f[h][r] = _mm512_fmadd_ps(scale, as_float(s[h][r]), f[h][r]);
             }
             if (!format_has_min(format)) continue;
             const __m512 mw = _mm512_loadu_ps(p[h].m + uu * QCOLS);
@@ -146,7 +138,7 @@ INLINE void super_isum(int64_t format, const xquant *xq, int64_t r0, const int R
             for (int h = 0; h < H; h++)
                 w[h] = _mm512_load_si512((const __m512i *)(p[h].w + sb * 8 * UNIT_BYTES) + j * groups + g);
             for (int r = 0; r < R; r++) {
-                const __m512i xg = x_group(x + r * k + 4 * g);
+                const __m512i xg = x_word(x + r * k + 4 * g);
                 for (int h = 0; h < H; h++) t[h][r] = _mm512_dpbusd_epi32(t[h][r], w[h], xg);
             }
         }
@@ -181,14 +173,14 @@ INLINE void tile_super(int64_t format, const xquant *xq, int64_t r0, const int R
             const __m512 dw = _mm512_loadu_ps(p[h].d + sb * QCOLS);
             for (int r = 0; r < R; r++) {
                 const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xq->d[(r0 + r) * supers + s]));
-                f[h][r] = _mm512_fmadd_ps(scale, to_float(isum[h][r]), f[h][r]);
+                f[h][r] = _mm512_fmadd_ps(scale, as_float(isum[h][r]), f[h][r]);
             }
             if (format == Q6_K) continue;
             const __m512 mw = _mm512_loadu_ps(p[h].m + sb * QCOLS);
             for (int r = 0; r < R; r++) {
                 const __m512 scale = _mm512_mul_ps(mw, _mm512_set1_ps(xq->d[(r0 + r) * supers + s]));
                 const __m512i msum = super_msum(xq, r0 + r, sb, s, &p[h]);
-                f[h][r] = _mm512_fnmadd_ps(scale, to_float(msum), f[h][r]); /* = fmaf(-scale, msum, f) */
+                f[h][r] = _mm512_fnmadd_ps(scale, as_float(msum), f[h][r]); /* = fmaf(-scale, msum, f) */
             }
         }
     }

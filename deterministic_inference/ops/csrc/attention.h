@@ -168,9 +168,10 @@ void detinf_rows_scores16(int n, const float *qt, const void *keys_t, int64_t of
                           float scale, float *scores);
 
 /* detinf_rows_scores16 for n (1..MAX_SHARED_ROWS / 2) rows against two blocks at once (offsets o0, o1;
-   scores to s0, s1), each key's score the same sequence: the same bits. attention_tile.c. */
-void detinf_rows_scores16x2(int n, const float *qt, const void *keys_t, int64_t o0, int64_t o1, int64_t dim,
-                            int bf16, float scale, float *s0, float *s1);
+   scores to s0, s1), the queries qstride apart (qt[d * qstride + i] = q_i[d]), each key's score the same
+   sequence: the same bits. attention_tile.c. */
+void detinf_rows_scores16x2(int n, const float *qt, int64_t qstride, const void *keys_t, int64_t o0, int64_t o1,
+                            int64_t dim, int bf16, float scale, float *s0, float *s1);
 
 /* acc[i * dim + d] += p[i * 16 + l] * v_l[d] for l = first..end-1 ascending (fused multiply-adds, each d
    on its own), n (1..MAX_SHARED_ROWS) rows sharing the value loads of one block at `offset` (n = 1: p is

@@ -33,12 +33,14 @@ INLINE void scores_n(int n, int bf16, const float *qt, const void *keys_t, int64
     }
 }
 
-/* scores_n over two blocks at once (offsets o0, o1; scores to s0, s1), for n <= MAX_SHARED_ROWS / 2: a
-   lane's score is a chain of dependent fused multiply-adds (d ascending), so a few rows against one block
-   wait on the FMA latency (decode: 3 rows); two blocks put 2 n chains in flight. Each key's score is the
-   same sequence as scores_n's: the same bits. */
-INLINE void scores2_n(int n, int bf16, const float *qt, const void *keys_t, int64_t o0, int64_t o1, int64_t dim,
-                      float scale, float *s0, float *s1) {
+/* scores_n over two blocks at once (offsets o0, o1; scores to s0, s1), for n <= MAX_SHARED_ROWS / 2 rows
+   whose queries are interleaved `qstride` apart (qt[d * qstride + i] = q_i[d]: a whole chunk, or half of
+   one). A lane's score is a chain of dependent fused multiply-adds (d ascending), so a few rows against
+   one block wait on the FMA latency (decode: 3 rows); two blocks put 2 n chains in flight. A chunk of
+   more rows goes in two halves, each against both blocks: half the query broadcasts per FMA of the whole
+   chunk against one block. Each key's score is the same sequence as scores_n's: the same bits. */
+INLINE void scores2_n(int n, int bf16, const float *qt, int64_t qstride, const void *keys_t, int64_t o0, int64_t o1,
+                      int64_t dim, float scale, float *s0, float *s1) {
     f32x16 lanes[2][MAX_SHARED_ROWS / 2];
 #pragma GCC unroll 6
     for (int i = 0; i < n; i++) lanes[0][i] = lanes[1][i] = (f32x16){0};
@@ -46,8 +48,8 @@ INLINE void scores2_n(int n, int bf16, const float *qt, const void *keys_t, int6
         const f32x16 k0 = load16(keys_t, o0 + d * 16, bf16), k1 = load16(keys_t, o1 + d * 16, bf16);
 #pragma GCC unroll 6
         for (int i = 0; i < n; i++) {
-            lanes[0][i] = fma16(qt[d * n + i], k0, lanes[0][i]);
-            lanes[1][i] = fma16(qt[d * n + i], k1, lanes[1][i]);
+            lanes[0][i] = fma16(qt[d * qstride + i], k0, lanes[0][i]);
+            lanes[1][i] = fma16(qt[d * qstride + i], k1, lanes[1][i]);
         }
     }
 #pragma GCC unroll 6
@@ -115,10 +117,19 @@ INLINE void values_wide(int n, int bf16, const float *p, const void *v_cache, in
         if (bf16) scores_n(N, 1, qt, keys_t, offset, dim, scale, scores);    \
         else scores_n(N, 0, qt, keys_t, offset, dim, scale, scores);         \
         break;
+/* the query stride literal: N (a whole chunk) or 2 N (half of an even chunk); odd chunks' halves pass it */
+#define SCORES2_STRIDE(N, QS)                                                         \
+    if (bf16) scores2_n(N, 1, qt, QS, keys_t, o0, o1, dim, scale, s0, s1);            \
+    else scores2_n(N, 0, qt, QS, keys_t, o0, o1, dim, scale, s0, s1);
 #define SCORES2_CASE(N)                                                               \
     case N:                                                                           \
-        if (bf16) scores2_n(N, 1, qt, keys_t, o0, o1, dim, scale, s0, s1);            \
-        else scores2_n(N, 0, qt, keys_t, o0, o1, dim, scale, s0, s1);                 \
+        if (qstride == N) {                                                           \
+            SCORES2_STRIDE(N, N)                                                      \
+        } else if (qstride == 2 * N) {                                                \
+            SCORES2_STRIDE(N, 2 * N)                                                  \
+        } else {                                                                      \
+            SCORES2_STRIDE(N, qstride)                                                \
+        }                                                                             \
         break;
 #define VALUES_CASE(N)                                                       \
     case N:                                                                  \
@@ -137,9 +148,10 @@ __attribute__((visibility("hidden"))) void detinf_rows_scores16(int n, const flo
     }
 }
 
-__attribute__((visibility("hidden"))) void detinf_rows_scores16x2(int n, const float *qt, const void *keys_t,
-                                                                  int64_t o0, int64_t o1, int64_t dim, int bf16,
-                                                                  float scale, float *s0, float *s1) {
+__attribute__((visibility("hidden"))) void detinf_rows_scores16x2(int n, const float *qt, int64_t qstride,
+                                                                  const void *keys_t, int64_t o0, int64_t o1,
+                                                                  int64_t dim, int bf16, float scale, float *s0,
+                                                                  float *s1) {
     switch (n) {
         SCORES2_CASE(1) SCORES2_CASE(2) SCORES2_CASE(3) SCORES2_CASE(4) SCORES2_CASE(5) SCORES2_CASE(6)
     default: break;
@@ -222,14 +234,18 @@ static void chunk_scores(const attention_args *a, int64_t offset, int64_t b, chu
     detinf_rows_scores16((int)n, w->tile + c.scratch * dim, a->k_cache, offset, dim, a->bf16, a->scale, scores);
 }
 
-/* chunk_scores over blocks b and b + 1 at once (keys at offset and next): the same scores, the same
-   places. */
+/* chunk_scores over blocks b and b + 1 at once (keys at offset and next), in halves of at most
+   MAX_SHARED_ROWS / 2 rows: the same scores, the same places. */
 static void chunk_scores2(const attention_args *a, int64_t offset, int64_t next, int64_t b, chunk c,
                           int64_t stride, const workspace *w) {
-    const int64_t dim = a->head_dim, n = c.count;
+    const int64_t dim = a->head_dim, n = c.count, half = n > MAX_SHARED_ROWS / 2 ? (n + 1) / 2 : n;
     float *scores = w->scores + c.scratch * stride + b * n * 16;
-    detinf_rows_scores16x2((int)n, w->tile + c.scratch * dim, a->k_cache, offset, next, dim, a->bf16, a->scale,
-                           scores, scores + n * 16);
+    const float *qt = w->tile + c.scratch * dim;
+    for (int64_t first = 0; first < n; first += half) {
+        const int64_t rows = n - first < half ? n - first : half;
+        detinf_rows_scores16x2((int)rows, qt + first, n, a->k_cache, offset, next, dim, a->bf16, a->scale,
+                               scores + first * 16, scores + (n + first) * 16);
+    }
 }
 
 /* Value pass of one chunk over block b. A block every row of the tile sees whole (b * 16 + 16 <=
@@ -286,6 +302,14 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
         if (paired && b + 1 < num_blocks) {
             prefetch_keys_ahead(a, table, num_blocks, b + 1, kvh);
             chunk_scores2(a, offset, slice_offset(a, table[b + 1], kvh), b, nth_chunk(per_kvh, first_chunk), stride, w);
+            b += 2;
+            continue;
+        }
+        if (b + 1 < num_blocks) { /* more rows (prefill): every chunk against two blocks, in halves */
+            prefetch_keys_ahead(a, table, num_blocks, b + 1, kvh);
+            const int64_t next = slice_offset(a, table[b + 1], kvh);
+            for (int64_t index = first_chunk; index < end_chunk; index++)
+                chunk_scores2(a, offset, next, b, nth_chunk(per_kvh, index), stride, w);
             b += 2;
             continue;
         }

@@ -12,6 +12,16 @@
 
 #include "attention.h"
 
+/* The regroupings below that only pay with 32 vector registers (the prefill key pass in halves against
+   two blocks, the value pass in halves of two slices) are compiled for AVX-512 builds only. They change
+   no bit, and without AVX-512 the extra variants doubled the compile time of this file (x86-64: 253 ->
+   513 s, 1.5 -> 2.9 GB of compiler memory) for no speed. */
+#if defined(__AVX512F__)
+#define REGROUP 1
+#else
+#define REGROUP 0
+#endif
+
 /* Scores of n rows (literal 1..MAX_SHARED_ROWS) against one 16-key block, the rows' queries
    interleaved (qt[d * n + i] = q_i[d]) and their scores one after another (scores[i * 16 + l]): one base
    pointer each, so the n broadcasts and stores need no registers of their own. bf16 is a literal too,
@@ -103,7 +113,7 @@ INLINE void values_n(int n, int per, int bf16, const float *p, const void *v_cac
    two halves at 184-207 GFLOP/s (one thread, a 6k context's block slices in L2). */
 INLINE void values_wide(int n, int bf16, const float *p, const void *v_cache, int64_t offset, int64_t first,
                         int64_t end, int64_t dim, float *acc) {
-    if (2 * n > MAX_SHARED_ROWS && dim % 32 == 0) {
+    if (REGROUP && 2 * n > MAX_SHARED_ROWS && dim % 32 == 0) {
         const int half = n / 2;
         values_n(half, 2, bf16, p, v_cache, offset, first, end, dim, acc);
         values_n(n - half, 2, bf16, p + half * 16, v_cache, offset, first, end, dim, acc + half * dim);
@@ -123,7 +133,7 @@ INLINE void values_wide(int n, int bf16, const float *p, const void *v_cache, in
     else scores2_n(N, 0, qt, QS, keys_t, o0, o1, dim, scale, s0, s1);
 #define SCORES2_CASE(N)                                                               \
     case N:                                                                           \
-        if (qstride == N) {                                                           \
+        if (!REGROUP || qstride == N) {                                               \
             SCORES2_STRIDE(N, N)                                                      \
         } else if (qstride == 2 * N) {                                                \
             SCORES2_STRIDE(N, 2 * N)                                                  \
@@ -305,7 +315,7 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
             b += 2;
             continue;
         }
-        if (b + 1 < num_blocks) { /* more rows (prefill): every chunk against two blocks, in halves */
+        if (REGROUP && b + 1 < num_blocks) { /* more rows (prefill): every chunk against two blocks, in halves */
             prefetch_keys_ahead(a, table, num_blocks, b + 1, kvh);
             const int64_t next = slice_offset(a, table[b + 1], kvh);
             for (int64_t index = first_chunk; index < end_chunk; index++)

@@ -304,18 +304,13 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
     const int64_t stride = num_blocks * 16, first_chunk = kvh * per_head, end_chunk = first_chunk + per_head;
     for (int64_t index = first_chunk; index < end_chunk; index++)
         chunk_queries(a, r0, tokens, nth_chunk(per_kvh, index), w);
-    /* one chunk of few rows (decode: a token's query heads of the KV head): two blocks at a time */
-    const int paired = per_head == 1 && per_kvh <= MAX_SHARED_ROWS / 2;
-    for (int64_t b = 0; b < num_blocks;) { /* every chunk while the block is in L1 */
+    /* two blocks at a time: one chunk of few rows (decode: a token's query heads of the KV head) on every
+       build, and any chunks (prefill, in halves) where REGROUP */
+    const int paired = REGROUP || (per_head == 1 && per_kvh <= MAX_SHARED_ROWS / 2);
+    for (int64_t b = 0; b < num_blocks;) { /* every chunk while the blocks are in L1 */
         prefetch_keys_ahead(a, table, num_blocks, b, kvh);
         const int64_t offset = slice_offset(a, table[b], kvh);
         if (paired && b + 1 < num_blocks) {
-            prefetch_keys_ahead(a, table, num_blocks, b + 1, kvh);
-            chunk_scores2(a, offset, slice_offset(a, table[b + 1], kvh), b, nth_chunk(per_kvh, first_chunk), stride, w);
-            b += 2;
-            continue;
-        }
-        if (REGROUP && b + 1 < num_blocks) { /* more rows (prefill): every chunk against two blocks, in halves */
             prefetch_keys_ahead(a, table, num_blocks, b + 1, kvh);
             const int64_t next = slice_offset(a, table[b + 1], kvh);
             for (int64_t index = first_chunk; index < end_chunk; index++)

@@ -209,10 +209,14 @@ class TokenizerFields:
 def read_tokenizer_fields(path: Path) -> TokenizerFields:
     """Every `tokenizer.*` key of the GGUF at `path`, in file order (read with the engine's header
     reader: the `gguf` package's reader takes ~10 s over a 49k-token vocabulary)."""
-    from deterministic_inference.model.gguf_file import read_gguf
+    from deterministic_inference.model.gguf_file import StringArray, read_gguf
 
     meta = read_gguf(path).metadata
-    fields = {key: value for key, value in meta.items() if key.startswith("tokenizer.")}
+    fields = {
+        key: list(value) if isinstance(value, StringArray) else value
+        for key, value in meta.items()
+        if key.startswith("tokenizer.")
+    }
     tokens = fields.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise ValueError(f"{path}: no tokenizer.ggml.tokens to copy")

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -47,12 +48,66 @@ class GGUFTensor:
     data: np.ndarray
 
 
+class StringArray(Sequence[str]):
+    """A metadata array of strings, decoded from the map each time it is read.
+
+    A vocabulary and its merges are ~100k strings. Decoded at parse time they would live as long as the
+    metadata, while the load allocates the objects that outlive it (tensor views, the tokenizer's
+    tables) in between them; freed, they would then leave ~9 MiB of Python's object arenas pinned for
+    the process's life. Read in one pass where they are used (`build_gguf_tokenizer`), they are freed
+    together."""
+
+    def __init__(self, buffer: mmap.mmap, starts: np.ndarray, sizes: np.ndarray) -> None:
+        self._buffer = buffer
+        self._starts, self._sizes = starts, sizes  # int64 [count] byte offsets and lengths in the map
+
+    def __len__(self) -> int:
+        return int(self._sizes.shape[0])
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        start = int(self._starts[index])
+        return self._buffer[start : start + int(self._sizes[index])].decode("utf-8", errors="replace")
+
+    def __iter__(self) -> Iterator[str]:
+        buffer = self._buffer
+        for start, size in zip(self._starts.tolist(), self._sizes.tolist(), strict=True):
+            yield buffer[start : start + size].decode("utf-8", errors="replace")
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StringArray | list | tuple):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"StringArray({len(self)} strings)"
+
+
 @dataclass(frozen=True)
 class GGUFFile:
-    """Metadata (arrays as lists) and tensors of a GGUF file."""
+    """Metadata (numeric arrays as lists, string arrays as `StringArray`) and tensors of a GGUF file."""
 
     metadata: dict[str, Any]
     tensors: tuple[GGUFTensor, ...]
+    buffer: mmap.mmap  # the file's private map
+    header_bytes: int  # where the data section starts
+
+    def release_header(self) -> None:
+        """Give the header's whole pages back to the OS once the load has read what it needs (a 49k
+        vocabulary and its merges are ~2 MB of it). The map is never written there, so a later read of
+        the metadata faults the same bytes back in from the file."""
+        whole_pages = self.header_bytes // mmap.PAGESIZE * mmap.PAGESIZE
+        if whole_pages and hasattr(mmap, "MADV_DONTNEED"):
+            self.buffer.madvise(mmap.MADV_DONTNEED, 0, whole_pages)
 
 
 class _Cursor:
@@ -77,21 +132,23 @@ class _Cursor:
         start = self.take(size)
         return bytes(self.buffer[start : start + size]).decode("utf-8", errors="replace")
 
-    def strings(self, count: int) -> list[str]:
-        """`count` strings in a row (a vocabulary: one tight loop, no call per item)."""
+    def strings(self, count: int) -> StringArray:
+        """`count` strings in a row (a vocabulary: one tight loop, no call per item), located and
+        bounds-checked now, decoded when read."""
         buffer, offset, end = self.buffer, self.offset, len(self.buffer)
-        unpack, out = struct.Struct("<Q").unpack_from, []
-        for _ in range(count):
+        unpack = struct.Struct("<Q").unpack_from
+        starts, sizes = np.empty(count, np.int64), np.empty(count, np.int64)
+        for index in range(count):
             if offset + 8 > end:
                 raise GGUFFormatError(f"a string array runs past the end of the file at byte {offset}")
             (size,) = unpack(buffer, offset)
             offset += 8
             if offset + size > end:
                 raise GGUFFormatError(f"a string array runs past the end of the file at byte {offset}")
-            out.append(buffer[offset : offset + size].decode("utf-8", errors="replace"))
+            starts[index], sizes[index] = offset, size
             offset += size
         self.offset = offset
-        return out
+        return StringArray(buffer, starts, sizes)
 
     def value(self, kind: int) -> Any:
         if kind == _STRING:
@@ -130,7 +187,7 @@ def read_gguf(path: Path) -> GGUFFile:
     data_start = -(-cursor.offset // alignment) * alignment
     whole = np.frombuffer(buffer, np.uint8)  # keeps the map alive while any view lives
     tensors = tuple(_tensor(whole, data_start, *info) for info in infos)
-    return GGUFFile(metadata, tensors)
+    return GGUFFile(metadata, tensors, buffer, data_start)
 
 
 def _tensor_info(cursor: _Cursor) -> tuple[str, tuple[int, ...], GGMLType, int]:

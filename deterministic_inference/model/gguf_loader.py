@@ -121,6 +121,7 @@ def load_gguf(
     tokenizer = build_gguf_tokenizer(path, meta)
     spec = _spec(path, meta, str(arch), tensors, tokenizer)
     weights = _hf_weights(path, spec, tensors, permuted_qk=GGUF_ARCHITECTURES[str(arch)][1])
+    gguf_file.release_header()
     return spec, weights, tokenizer, served_name(path)
 
 

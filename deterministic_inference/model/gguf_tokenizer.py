@@ -83,20 +83,14 @@ def build_gguf_tokenizer(path: Path, meta: dict[str, Any]) -> Tokenizer:
             f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: "
             f"{', '.join(sorted(PRE_TOKENIZERS))}). Load the model from its Hugging Face directory instead."
         )
-    tokens: list[str] = list(_required(path, meta, "tokenizer.ggml.tokens"))
-    merges = [_split_merge(path, m) for m in _required(path, meta, "tokenizer.ggml.merges")]
-    types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
-    if len(types) != len(tokens):
-        raise ModelLoadError(
-            f"{path}: tokenizer.ggml.token_type has {len(types)} entries, tokens {len(tokens)}"
-        )
-    backend = _byte_level_bpe(tokens, merges, types, pre)
+    vocab_size = len(_required(path, meta, "tokenizer.ggml.tokens"))
+    backend = _vocab_backend(path, meta, pre)
     template = meta.get("tokenizer.chat_template")
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eot = meta.get("tokenizer.ggml.eot_token_id")
     for name, value in (("bos", bos), ("eos", eos), ("eot", eot)):
-        if value is not None and not 0 <= int(value) < len(tokens):
+        if value is not None and not 0 <= int(value) < vocab_size:
             raise ModelLoadError(f"{path}: tokenizer.ggml.{name}_token_id {value} is outside the vocab")
     eos_ids = {int(i) for i in (eos, eot) if i is not None}
     eos_ids |= end_of_turn_ids(backend, template)
@@ -113,6 +107,20 @@ def _required(path: Path, meta: dict[str, Any], key: str) -> Any:
     if key not in meta:
         raise ModelLoadError(f"{path}: GGUF metadata {key} is missing; the file has no usable tokenizer")
     return meta[key]
+
+
+def _vocab_backend(path: Path, meta: dict[str, Any], pre: str) -> tokenizers.Tokenizer:
+    """The byte-level BPE of the file's vocabulary and merges. Their ~100k Python strings live only in
+    this call and are freed together on return, before the load allocates what outlives it (see
+    `gguf_file.StringArray`)."""
+    tokens: list[str] = list(_required(path, meta, "tokenizer.ggml.tokens"))
+    merges = [_split_merge(path, m) for m in _required(path, meta, "tokenizer.ggml.merges")]
+    types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise ModelLoadError(
+            f"{path}: tokenizer.ggml.token_type has {len(types)} entries, tokens {len(tokens)}"
+        )
+    return _byte_level_bpe(tokens, merges, types, pre)
 
 
 def _split_merge(path: Path, merge: str) -> tuple[str, str]:

@@ -36,6 +36,7 @@ from deterministic_inference.engine.setup import (
     build_model,
     choose_num_kv_blocks,
     keep_freed_memory,
+    model_numerics,
     release_freed_memory,
     resolve_dtype,
     return_freed_memory,
@@ -43,7 +44,7 @@ from deterministic_inference.engine.setup import (
 from deterministic_inference.engine.weight_update import swap_weights
 from deterministic_inference.errors import InvalidRequestError
 from deterministic_inference.model.loader import LoadedModel, load_model
-from deterministic_inference.ops.selfcheck import SelfCheckReport, run_selfcheck
+from deterministic_inference.ops.selfcheck import SelfCheck, SelfCheckReport
 from deterministic_inference.workflow.artifacts import hash_file
 
 # layer_hook(step_id, layer_index, request_ids, rows_per_request, hidden [T, hidden])
@@ -76,15 +77,20 @@ class Engine:
         )
         # The files' sha256 (a second for a 1 GB file) runs beside the build and the self-check:
         # hashlib releases the GIL while it hashes.
+        # Refuse invariant mode on hardware where any op probe differs (names op and shape). The probes
+        # that need no weights run before the model is built, so their buffers never add to its memory.
+        selfcheck = None
+        if config.batch_invariant and config.selfcheck:
+            selfcheck = SelfCheck(self.spec, model_numerics(config, self.dtype_name), config.threads)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="detinf-digest") as hashing:
             digest = hashing.submit(artifacts_digest, self.loaded.artifacts)
+            if selfcheck is not None:
+                selfcheck.probe_ops()
             self.model = build_model(self.loaded, config, self.dtype_name, self.max_model_len)
             self.selfcheck_report: SelfCheckReport | None = None
-            if config.batch_invariant and config.selfcheck:
-                # Refuse invariant mode on hardware where any op probe differs (names op and shape).
-                self.selfcheck_report = run_selfcheck(
-                    self.spec, self.model.numerics, config.threads, self.model.probe_linears(),
-                    self.model.probe_blocks(),
+            if selfcheck is not None:
+                self.selfcheck_report = selfcheck.probe_weights(
+                    self.model.probe_linears(), self.model.probe_blocks()
                 )
                 self.selfcheck_report.raise_if_failed()
             self.model_digest = digest.result()

@@ -31,7 +31,15 @@ from deterministic_inference.ops.probes import (
     torch_threads,
 )
 
-__all__ = ["AttentionWorld", "BlockProbe", "ProbeResult", "SelfCheckReport", "run_selfcheck", "torch_threads"]
+__all__ = [
+    "AttentionWorld",
+    "BlockProbe",
+    "ProbeResult",
+    "SelfCheck",
+    "SelfCheckReport",
+    "run_selfcheck",
+    "torch_threads",
+]
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,63 @@ class SelfCheckReport:
             )
 
 
+class SelfCheck:
+    """One self-check run in two passes, so that its transient memory never sits on top of the model's.
+
+    `probe_ops` runs the probes that need no weights (RMSNorm, silu_mul, rotary, exp, attention: random
+    data at the model's shapes) and can run before the model is built, when the process holds little;
+    `probe_weights` then probes the model's own linears and blocks and returns the report. The serving
+    process's peak resident memory is otherwise the model plus the probes' largest buffers.
+
+    References are computed with one thread, probes with `threads` (None = torch's current), so a pass
+    also shows the thread count does not change bits. Random data comes from one fixed-seed generator
+    shared by both passes (the check itself is reproducible)."""
+
+    def __init__(self, spec: ModelSpec, numerics: Numerics, threads: int | None) -> None:
+        self.spec = spec
+        self.numerics = numerics
+        self.threads = threads if threads is not None else torch.get_num_threads()
+        self.generator = torch.Generator().manual_seed(0)
+        self.ops = select_backend(numerics)
+        self.seconds = 0.0
+        self._op_results: list[ProbeResult] | None = None
+
+    def probe_ops(self) -> None:
+        """The weightless probes (once; `probe_weights` runs them itself if they have not run)."""
+        if self._op_results is not None:
+            return
+        start, spec, ops = time.perf_counter(), self.spec, self.ops
+        threads, generator = self.threads, self.generator
+        with torch_threads(threads):
+            results = elementwise_probes(spec, ops, threads, generator)
+            results.append(exp_probe(generator))
+            results.append(attention_probe(spec, ops, threads, generator))
+        self._op_results = results
+        self.seconds += time.perf_counter() - start
+
+    def probe_weights(
+        self, linears: Sequence[tuple[str, Linear]] | None = None, blocks: Sequence[BlockProbe] = ()
+    ) -> SelfCheckReport:
+        """Probe `linears` (`DecoderModel.probe_linears`: one per role and weight-format mix, so every
+        format the model uses is probed; None: random dense weights of the spec's shapes) and `blocks`
+        (`DecoderModel.probe_blocks`: its first mixture-of-experts MLP, where expert loads change with
+        the batch) -> the report of every probe, linears first."""
+        self.probe_ops()
+        start, ops, threads, generator = time.perf_counter(), self.ops, self.threads, self.generator
+        with torch_threads(threads):
+            weighted = linear_probes(self.spec, ops, threads, generator, linears)
+            weighted.extend(block_probes(blocks, ops, threads, generator))
+        self.seconds += time.perf_counter() - start
+        return SelfCheckReport(
+            results=(*weighted, *(self._op_results or [])),
+            dtype=str(self.numerics.dtype).removeprefix("torch."),
+            batch_invariant=self.numerics.batch_invariant,
+            tile_rows=self.numerics.tile_rows,
+            threads=threads,
+            seconds=self.seconds,
+        )
+
+
 def run_selfcheck(
     spec: ModelSpec,
     numerics: Numerics,
@@ -101,32 +166,6 @@ def run_selfcheck(
     linears: Sequence[tuple[str, Linear]] | None = None,
     blocks: Sequence[BlockProbe] = (),
 ) -> SelfCheckReport:
-    """Probe every op the model uses at its real shapes through the backend `numerics` selects; threads
-    None = torch's current.
-
-    References are computed with one thread, probes with `threads`, so a pass also shows the thread
-    count does not change bits. Random data comes from a fixed seed (the check itself is reproducible).
-    `linears` are the model's own linears (`DecoderModel.probe_linears`: one per role and weight-format
-    mix, so every format the model uses is probed); None probes random dense weights of `spec`'s shapes.
-    `blocks` are whole blocks of the model probed as row functions (`DecoderModel.probe_blocks`: its
-    first mixture-of-experts MLP, where expert loads change with the batch).
-    """
-    probe_threads = threads if threads is not None else torch.get_num_threads()
-    start = time.perf_counter()
-    generator = torch.Generator().manual_seed(0)
-    results: list[ProbeResult] = []
-    ops = select_backend(numerics)
-    with torch_threads(probe_threads):
-        results.extend(linear_probes(spec, ops, probe_threads, generator, linears))
-        results.extend(elementwise_probes(spec, ops, probe_threads, generator))
-        results.extend(block_probes(blocks, ops, probe_threads, generator))
-        results.append(exp_probe(generator))
-        results.append(attention_probe(spec, ops, probe_threads, generator))
-    return SelfCheckReport(
-        results=tuple(results),
-        dtype=str(numerics.dtype).removeprefix("torch."),
-        batch_invariant=numerics.batch_invariant,
-        tile_rows=numerics.tile_rows,
-        threads=probe_threads,
-        seconds=time.perf_counter() - start,
-    )
+    """Probe every op the model uses at its real shapes through the backend `numerics` selects, in one
+    go (`SelfCheck` says what each pass probes); threads None = torch's current."""
+    return SelfCheck(spec, numerics, threads).probe_weights(linears, blocks)

@@ -13,7 +13,7 @@ from deterministic_inference.cli.main import main
 from deterministic_inference.errors import SelfCheckError
 from deterministic_inference.model.llama import Numerics
 from deterministic_inference.model.spec import ModelSpec
-from deterministic_inference.ops.selfcheck import run_selfcheck
+from deterministic_inference.ops.selfcheck import SelfCheck, run_selfcheck
 from tests.tiny_models import TinyModel
 
 SMOLLM2 = ModelSpec(
@@ -49,6 +49,19 @@ def test_tiny_qwen3_fp32_passes_and_renders() -> None:
     assert table.splitlines()[-1].startswith("all probes bitwise equal")
     data = json.loads(json.dumps(report.to_dict()))
     assert data["ok"] is True and data["threads"] == 1 and len(data["probes"]) == len(report.results)
+
+
+def test_two_passes_probe_what_one_pass_does() -> None:
+    numerics = Numerics(torch.float32, True, 8)
+    whole = run_selfcheck(TINY_QWEN3, numerics, threads=1)
+    check = SelfCheck(TINY_QWEN3, numerics, threads=1)
+    check.probe_ops()
+    seconds = check.seconds
+    check.probe_ops()  # runs once
+    assert check.seconds == seconds
+    passes = check.probe_weights()
+    assert [vars(r) for r in passes.results] == [vars(r) for r in whole.results]
+    assert passes.ok and passes.seconds >= seconds
 
 
 def test_negative_control_plain_path_fails_naming_op_and_shape() -> None:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 X16 = 100  # csrc/quant.h: a repacked format's id is its ggml type id + X16 (16-column panels)
 PANEL_COLUMNS = 16
-_CHUNK_COLUMNS = 4096  # columns repacked between two page releases (~4.5 MiB of a 2048-wide Q4_0 part)
+_CHUNK_BYTES = 1 << 20  # stored bytes repacked between two page releases (whole 16-column panels)
 
 
 def repacked(
@@ -47,8 +47,10 @@ def repacked(
         return None
     out = _huge_page_buffer(weight.data.numel()).view(weight.data.shape)  # N / 16 panels of 16 * row_bytes
     order_ptr = None if order is None else order.data_ptr()
-    for first in range(0, rows, _CHUNK_COLUMNS):
-        count = min(_CHUNK_COLUMNS, rows - first)
+    # the stored pages a chunk faulted in stay resident until it is given back: on top of the model
+    chunk = max(PANEL_COLUMNS, _CHUNK_BYTES // row_bytes // PANEL_COLUMNS * PANEL_COLUMNS)
+    for first in range(0, rows, chunk):
+        count = min(chunk, rows - first)
         library.detinf_repack(fmt, weight.data.data_ptr(), order_ptr, row_bytes, first, count, out.data_ptr())
         if weight.file_mapped and order is None:  # these stored rows are read by nothing else now
             give_back_pages(weight.data[first : first + count])

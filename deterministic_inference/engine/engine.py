@@ -89,6 +89,7 @@ class Engine:
             self.model = build_model(self.loaded, config, self.dtype_name, self.max_model_len)
             self.selfcheck_report: SelfCheckReport | None = None
             if selfcheck is not None:
+                release_freed_memory()  # the build's freed temporaries: the probes' buffers go on top
                 self.selfcheck_report = selfcheck.probe_weights(
                     self.model.probe_linears(), self.model.probe_blocks()
                 )

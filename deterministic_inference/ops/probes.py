@@ -4,7 +4,6 @@ backend (random weights and inputs from a fixed seed; `selfcheck.run_selfcheck` 
 - row ops (linears incl. the fp32-output logits head, RMSNorm, silu_mul, rotary): a row computed alone
   with one thread vs the same row inside batches of several sizes, at the first, a middle and the last
   position, among random neighbours, with the configured thread count;
-- exp: torch's scalar and vectorised kernels agree;
 - attention: every query row of a sequence computed in one prefill vs in chunks of 7 and 16, as a
   one-row decode alone, decoded in a group with longer and shorter sequences, and prefilled beside
   another sequence's chunk.
@@ -254,15 +253,6 @@ def rotary_fn(ops: OpsBackend, spec: ModelSpec) -> RowFn:
         )
 
     return rope
-
-
-def exp_probe(generator: torch.Generator) -> ProbeResult:
-    """torch.exp's scalar kernel (strided input) vs its vectorised kernel (contiguous input)."""
-    values = torch.randn(1 << 16, 2, generator=generator) * 12
-    strided, contiguous = values[:, 0], values[:, 0].contiguous()
-    differ = int((raw_bits(torch.exp(strided)) != raw_bits(torch.exp(contiguous))).sum())
-    detail = f"{differ} of {strided.numel()} values differ" if differ else f"{strided.numel()} values equal"
-    return ProbeResult("exp", "scalar vs vector kernel fp32", differ == 0, detail)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

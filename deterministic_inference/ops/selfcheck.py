@@ -26,7 +26,6 @@ from deterministic_inference.ops.probes import (
     attention_probe,
     block_probes,
     elementwise_probes,
-    exp_probe,
     linear_probes,
     torch_threads,
 )
@@ -105,7 +104,7 @@ class SelfCheckReport:
 class SelfCheck:
     """One self-check run in two passes, so that its transient memory never sits on top of the model's.
 
-    `probe_ops` runs the probes that need no weights (RMSNorm, silu_mul, rotary, exp, attention: random
+    `probe_ops` runs the probes that need no weights (RMSNorm, silu_mul, rotary, attention: random
     data at the model's shapes) and can run before the model is built, when the process holds little;
     `probe_weights` then probes the model's own linears and blocks and returns the report. The serving
     process's peak resident memory is otherwise the model plus the probes' largest buffers.
@@ -131,7 +130,6 @@ class SelfCheck:
         threads, generator = self.threads, self.generator
         with torch_threads(threads):
             results = elementwise_probes(spec, ops, threads, generator)
-            results.append(exp_probe(generator))
             results.append(attention_probe(spec, ops, threads, generator))
         self._op_results = results
         self.seconds += time.perf_counter() - start

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from deterministic_inference.engine.sampling_params import SamplingParams
+from deterministic_inference.ops import portable
 from deterministic_inference.ops.logprobs import log_softmax_rows
 
 # Columns per block of the two-level argmax / top-k search (any value >= 1 gives the same results; 128
@@ -107,7 +108,12 @@ def greedy_rows(block: torch.Tensor, ks: list[int]) -> list[RowResult | None]:
     """Plain greedy rows `block` [R, V] fp32 with top-logprob counts ks: each row's (token, logprob, k
     best), bitwise what `sampler._sample_row` gives it, or None where the batched search is not exact
     (the caller then uses `sampler._sample_row`). Every op below works on each row alone (see the module
-    docstring)."""
+    docstring). Rows asking for no top logprobs take one kernel pass (`portable.greedy_rows`: the same
+    token and logprob bits, without the row's other logprobs)."""
+    if max(ks) == 0 and block.shape[1] > 0:
+        found = portable.greedy_rows(block)
+        if found is not None:
+            return [(token, value, []) if ok else None for token, value, ok in zip(*found, strict=True)]
     logprobs = log_softmax_rows(block)  # [R, V], row r bitwise sampler._row_logprobs(block[r])
     maxima = _block_maxima(block)  # [R, blocks]
     usable = ~torch.isnan(maxima).any(dim=1)  # [R]; NaN logits: the per-row path decides

@@ -275,6 +275,7 @@ def _declare_portable(library: ctypes.CDLL) -> None:
     pointer, i64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
     signatures = {
         "detinf_rows": (None, [pointer, pointer, i64, i64, ctypes.c_int]),
+        "detinf_greedy_rows": (None, [pointer, i64, i64, pointer, pointer, pointer]),
         "detinf_inverse_frequencies": (None, [f64, i64, pointer]),
         "detinf_rotary_out_of_range": (ctypes.c_int, [pointer, i64, i64]),
         "detinf_rotary_tables": (ctypes.c_int, [pointer, i64, i64, pointer, pointer]),

@@ -51,6 +51,28 @@ def log_softmax_rows(logits: torch.Tensor, kernels: NativeKernels | None = None)
     return _rows(logits, _LOG_SOFTMAX, kernels)
 
 
+def greedy_rows(logits: torch.Tensor) -> tuple[list[int], list[float], list[bool]] | None:
+    """Plain greedy rows of fp32 logits [R, V] in one kernel pass: (each row's lowest-id argmax, that
+    token's raw logprob, whether the row is NaN-free; a row holding a NaN gets no token or logprob), or
+    None under `DETINF_TEST_TORCH_LOG_SOFTMAX=1`, whose logprobs only `log_softmax_rows` computes.
+
+    Why invariant: each row alone, by one thread, with `log_softmax_rows`'s own maximum, sum and log
+    (csrc/sampling.c), so the logprob is bitwise that function's value at the token, and the token is
+    the first index equal to the row's maximum, whatever the batch."""
+    if os.environ.get(TORCH_LOG_SOFTMAX_ENV) == "1":
+        return None
+    rows = logits.to(torch.float32).contiguous()
+    count, vocab = rows.shape
+    tokens = torch.empty(count, dtype=torch.int64)
+    values = torch.empty(count, dtype=torch.float32)
+    usable = torch.zeros(count, dtype=torch.uint8)
+    if count and vocab:
+        native_kernels().library.detinf_greedy_rows(
+            rows.data_ptr(), count, vocab, tokens.data_ptr(), values.data_ptr(), usable.data_ptr()
+        )
+    return tokens.tolist(), values.tolist(), [bool(flag) for flag in usable.tolist()]
+
+
 def softmax_rows(values: torch.Tensor) -> torch.Tensor:
     """softmax over the last dimension [..., V] -> fp32 (row-alone, source-fixed order as above)."""
     return _rows(values, _SOFTMAX, None)

@@ -227,3 +227,26 @@ def test_backend_logprobs_are_the_samplers(kernels: NativeKernels) -> None:
     targets = [3, 700, 5, 0, 10, 776]
     values, _ = sampler.prompt_logprobs(logits, targets, 0)
     assert bits(torch.tensor(values)).tolist() == bits(trainer[range(6), targets]).tolist()
+
+
+def test_greedy_rows_give_log_softmax_rows_bits_at_the_first_argmax() -> None:
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(6, 49152, generator=gen) * torch.tensor([[0.1], [1.0], [4.0], [30.0], [1.0], [1.0]])
+    rows[4, [100, 7, 40000]] = 50.0  # ties: the first index wins
+    rows[5] = float("-inf")  # nothing finite: token 0, a NaN logprob, as log_softmax_rows gives
+    nan_row = torch.randn(1, 49152, generator=gen)
+    nan_row[0, 123] = float("nan")
+    found = portable.greedy_rows(torch.cat((rows, nan_row)))
+    assert found is not None
+    tokens, values, usable = found
+    assert usable == [True] * 6 + [False]
+    assert tokens[:6] == [int(torch.argmax(row)) for row in rows] and tokens[4] == 7
+    reference = portable.log_softmax_rows(rows)
+    for r in range(6):
+        expected = reference[r, tokens[r]].reshape(1).view(torch.int32)
+        assert torch.tensor([values[r]], dtype=torch.float32).view(torch.int32).equal(expected)
+
+
+def test_greedy_rows_defer_to_torch_under_the_test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(portable.TORCH_LOG_SOFTMAX_ENV, "1")
+    assert portable.greedy_rows(torch.zeros(2, 10)) is None

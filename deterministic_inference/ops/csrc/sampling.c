@@ -115,6 +115,27 @@ void detinf_rows(const float *x, float *out, int64_t rows, int64_t cols, int op)
     }
 }
 
+/* Plain greedy rows of x [rows, cols]: per row the lowest index of its maximum (tokens[r]) and that
+   token's raw logprob (logprobs[r]), bitwise log_softmax_row's value at that index (the same row_max,
+   exp_sum and log, in the same order) without writing the row's other logprobs; usable[r] = 0 for a
+   row holding a NaN (nothing else written for it). Rows are shared out as in detinf_rows. */
+void detinf_greedy_rows(const float *x, int64_t rows, int64_t cols, int64_t *tokens, float *logprobs,
+                        uint8_t *usable) {
+#pragma omp parallel for schedule(static) if (rows * cols >= ((int64_t)1 << 16) && rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols;
+        int has_nan;
+        const float max = row_max(row, cols, &has_nan);
+        usable[r] = (uint8_t)!has_nan;
+        if (has_nan) continue;
+        int64_t token = 0;
+        while (token < cols - 1 && !(row[token] == max)) token++; /* -0.0 == +0.0, as torch.argmax compares */
+        const float log_sum = (float)pm_log((double)exp_sum(row, cols, max, NULL, 0));
+        tokens[r] = token;
+        logprobs[r] = (row[token] - max) - log_sum;
+    }
+}
+
 /* Test hooks: the portable functions one value at a time (tests compare them with float64 references
    and across builds). */
 float detinf_test_expf(float x) { return pm_expf(x); }

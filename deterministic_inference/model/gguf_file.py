@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
+import torch
 
 from deterministic_inference.ops.ggml_types import BLOCK_GEOMETRY, GGMLType
+from deterministic_inference.ops.repack import give_back_pages
 
 MAGIC = b"GGUF"
 _SCALARS = {  # GGUF value type -> struct format
@@ -35,6 +37,11 @@ _DENSE = {GGMLType.F32: np.float32, GGMLType.F16: np.float16}
 
 class GGUFFormatError(ValueError):
     """The bytes are not a well-formed GGUF file (corrupt or truncated)."""
+
+
+def _decoded(buffer: mmap.mmap, start: int, size: int) -> str:
+    """The GGUF string of `size` bytes at `start` (UTF-8; a bad byte becomes U+FFFD, never an error)."""
+    return buffer[start : start + size].decode("utf-8", errors="replace")
 
 
 @dataclass(frozen=True)
@@ -73,13 +80,12 @@ class StringArray(Sequence[str]):
     def __getitem__(self, index: int | slice) -> str | list[str]:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        start = int(self._starts[index])
-        return self._buffer[start : start + int(self._sizes[index])].decode("utf-8", errors="replace")
+        return _decoded(self._buffer, int(self._starts[index]), int(self._sizes[index]))
 
     def __iter__(self) -> Iterator[str]:
         buffer = self._buffer
         for start, size in zip(self._starts.tolist(), self._sizes.tolist(), strict=True):
-            yield buffer[start : start + size].decode("utf-8", errors="replace")
+            yield _decoded(buffer, start, size)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, StringArray | list | tuple):
@@ -105,9 +111,7 @@ class GGUFFile:
         """Give the header's whole pages back to the OS once the load has read what it needs (a 49k
         vocabulary and its merges are ~2 MB of it). The map is never written there, so a later read of
         the metadata faults the same bytes back in from the file."""
-        whole_pages = self.header_bytes // mmap.PAGESIZE * mmap.PAGESIZE
-        if whole_pages and hasattr(mmap, "MADV_DONTNEED"):
-            self.buffer.madvise(mmap.MADV_DONTNEED, 0, whole_pages)
+        give_back_pages(torch.from_numpy(np.frombuffer(self.buffer, np.uint8, count=self.header_bytes)))
 
 
 class _Cursor:
@@ -129,8 +133,7 @@ class _Cursor:
 
     def string(self) -> str:
         size = self.scalar(10)
-        start = self.take(size)
-        return bytes(self.buffer[start : start + size]).decode("utf-8", errors="replace")
+        return _decoded(self.buffer, self.take(size), size)
 
     def strings(self, count: int) -> StringArray:
         """`count` strings in a row (a vocabulary: one tight loop, no call per item), located and

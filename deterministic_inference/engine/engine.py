@@ -75,13 +75,13 @@ class Engine:
         self.max_model_len = min(
             config.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings
         )
-        # The files' sha256 (a second for a 1 GB file) runs beside the build and the self-check:
-        # hashlib releases the GIL while it hashes.
         # Refuse invariant mode on hardware where any op probe differs (names op and shape). The probes
         # that need no weights run before the model is built, so their buffers never add to its memory.
         selfcheck = None
         if config.batch_invariant and config.selfcheck:
             selfcheck = SelfCheck(self.spec, model_numerics(config, self.dtype_name), config.threads)
+        # The files' sha256 (a second for a 1 GB file) runs beside the build and the self-check:
+        # hashlib releases the GIL while it hashes.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="detinf-digest") as hashing:
             digest = hashing.submit(artifacts_digest, self.loaded.artifacts)
             if selfcheck is not None:

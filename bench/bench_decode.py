@@ -8,11 +8,12 @@ see bench/llama_cpp_worker.py); the 1B files come from the model maker:
         --model /tmp/llama1b-Q8_0.gguf [--threads 1 2] [--output-len 64] [--repeats 3]
 
 Both generate greedily from the same prompt with end-of-sequence banned (ours: ignore_eos; llama.cpp: a
--1e9 logit bias on its eos id) for `--output-len` tokens; tokens/s = generated tokens / wall time of the
-request (the 18-token prefill included, for both). Our run and llama.cpp's alternate, so both see the
-same load on this shared machine; the ratio of the medians is the figure to read. Also printed: each
-side's peak RSS after its runs (ours: this process, so the largest model's; llama.cpp's: a fresh worker
-per model).
+-1e9 logit bias on its eos id) for `--output-len` tokens, each request from an empty cache (ours: the
+prefix cache flushed; llama.cpp: `reset`, since llama-cpp-python would otherwise reuse the last request's
+prompt and skip its prefill). Two rates per request: tokens / wall time of the request (the prompt's
+prefill included), and decode = the tokens after the first / the time after the first token. Our run and
+llama.cpp's alternate, so both see the same load on this shared machine; the ratios of the medians are
+the figures to read. Also printed: llama.cpp's peak RSS after its runs (a fresh worker per model).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -31,17 +33,48 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 MB = 1 << 20
 
 
-def our_rate(engine: object, threads: int, output_len: int) -> float:
-    """Tokens/s of one greedy request of `output_len` tokens on our engine."""
+class Rates(NamedTuple):
+    """One request's rates: tokens / wall time with the prefill, and decode tokens/s after the first token."""
+
+    request: float
+    decode: float
+
+    @classmethod
+    def of(cls, tokens: int, seconds: float, first_token_seconds: float) -> Rates:
+        return cls(tokens / seconds, (tokens - 1) / (seconds - first_token_seconds))
+
+
+def our_run(engine: object, threads: int, output_len: int) -> Rates:
+    """One greedy request of `output_len` tokens on our engine, from an empty prefix cache."""
     from deterministic_inference.engine.engine import Engine
     from deterministic_inference.engine.sampling_params import SamplingParams
 
     assert isinstance(engine, Engine)
     torch.set_num_threads(threads)
+    engine.flush_prefix_cache()
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
-    output = engine.generate([PROMPT], params)[0]
-    return len(output.outputs[0].token_ids) / (time.perf_counter() - start)
+    request_id = engine.add_request(PROMPT, params)
+    first, tokens = 0.0, 0
+    while engine.has_unfinished:
+        for delta in engine.step_deltas():
+            tokens += sum(len(choice.token_ids) for choice in delta.outputs)
+            if not first and tokens:
+                first = time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    engine.release(request_id)
+    return Rates.of(tokens, seconds, first)
+
+
+def _row(name: str, threads: int, ours: list[Rates], theirs: list[Rates], peak: int) -> str:
+    mine = Rates(*(statistics.median(values) for values in zip(*ours, strict=True)))
+    reference = Rates(*(statistics.median(values) for values in zip(*theirs, strict=True)))
+    runs = f"{[round(r.request, 1) for r in ours]} / {[round(r.request, 1) for r in theirs]}"
+    return (
+        f"| {name} | {threads} | {mine.request:.1f} | {reference.request:.1f} | "
+        f"**{mine.request / reference.request:.2f}x** | {mine.decode:.1f} | {reference.decode:.1f} | "
+        f"**{mine.decode / reference.decode:.2f}x** | {runs} | {peak / MB:.0f} MB |"
+    )
 
 
 def compare(model: str, threads: int, output_len: int, repeats: int, python: str) -> str:
@@ -53,23 +86,18 @@ def compare(model: str, threads: int, output_len: int, repeats: int, python: str
     worker = LlamaCppWorker(python)
     try:
         worker.request(op="load", model=model, threads=threads, n_ctx=1024)
-        our_rate(engine, threads, 4)  # warm-up: the file's pages, the kernels' first calls
+        our_run(engine, threads, 4)  # warm-up: the file's pages, the kernels' first calls
         worker.request(op="generate", prompt=PROMPT, max_tokens=4)
-        ours: list[float] = []
-        theirs: list[float] = []
+        ours: list[Rates] = []
+        theirs: list[Rates] = []
         for _ in range(repeats):
-            ours.append(our_rate(engine, threads, output_len))
+            ours.append(our_run(engine, threads, output_len))
             answer = worker.request(op="generate", prompt=PROMPT, max_tokens=output_len)
-            theirs.append(answer["tokens"] / answer["seconds"])
+            theirs.append(Rates.of(answer["tokens"], answer["seconds"], answer["first_token_seconds"]))
         peak = worker.request(op="rss")["peak"]
     finally:
         worker.close()
-    mine, reference = statistics.median(ours), statistics.median(theirs)
-    runs = f"{[round(v, 1) for v in ours]} / {[round(v, 1) for v in theirs]}"
-    return (
-        f"| {Path(model).name} | {threads} | {mine:.1f} | {reference:.1f} | **{mine / reference:.2f}x** | "
-        f"{runs} | {peak / MB:.0f} MB |"
-    )
+    return _row(Path(model).name, threads, ours, theirs, peak)
 
 
 def main() -> None:
@@ -90,9 +118,12 @@ def main() -> None:
         worker.close()
     print(f"llama-cpp-python {info['version']}: {info['system_info'].strip()}")
     print(f"output {args.output_len} tokens, repeats {args.repeats}, load average {os.getloadavg()[0]:.1f}")
-    columns = ("model", "threads", "detinf tok/s", "llama.cpp tok/s", "ratio", "runs (ours / llama.cpp)")
-    print(f"| {' | '.join(columns)} | llama.cpp peak RSS |")
-    print("|---|---|---|---|---|---|---|")
+    columns = (
+        *("model", "threads", "detinf tok/s", "llama.cpp tok/s", "ratio", "detinf decode"),
+        *("llama.cpp decode", "decode ratio", "runs, tok/s (ours / llama.cpp)", "llama.cpp peak RSS"),
+    )
+    print(f"| {' | '.join(columns)} |")
+    print(f"|{'---|' * len(columns)}")
     for model in models:
         for threads in args.threads:
             print(compare(model, threads, args.output_len, args.repeats, args.llama_python), flush=True)

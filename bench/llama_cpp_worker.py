@@ -7,7 +7,8 @@ the bench venv's Python without our package. `LlamaCppWorker` is the parent's ha
 
 Requests (one JSON object per line on stdin; one answer per line on stdout):
   {"op": "load", "model": PATH, "threads": N, "n_ctx": N, "logits_all": bool}
-  {"op": "generate", "prompt": STR, "max_tokens": N}  -> generated tokens and seconds (eos banned)
+  {"op": "generate", "prompt": STR, "max_tokens": N}  -> generated tokens, seconds and seconds to the first
+                                                          token (eos banned; no reuse of the last prompt)
   {"op": "perplexity", "ids": [...]}                   -> exp(-mean log p) of ids[1:], seconds
   {"op": "tokenize", "text": STR}                      -> ids (no BOS, no special-token parsing)
   {"op": "rss"}                                        -> this process's peak and current RSS (bytes)
@@ -73,6 +74,21 @@ def _perplexity(llm: Any, ids: list[int]) -> float:
     return math.exp(-float(picked.mean()))
 
 
+def _generate(llm: Any, prompt: str, max_tokens: int, bias: dict[int, float] | None) -> dict[str, Any]:
+    """One greedy request from an empty cache, streamed: tokens, total seconds, seconds to the first token.
+
+    llama-cpp-python keeps the last request's tokens and evaluates only what follows their common prefix,
+    so without `reset` a repeated prompt would skip its prefill (ours is timed from an empty cache too)."""
+    llm.reset()
+    start = time.perf_counter()
+    first, tokens = 0.0, 0
+    for _chunk in llm(prompt, max_tokens=max_tokens, temperature=0.0, logit_bias=bias, stream=True):
+        tokens += 1
+        if tokens == 1:
+            first = time.perf_counter() - start
+    return {"tokens": tokens, "seconds": time.perf_counter() - start, "first_token_seconds": first}
+
+
 def _handle(state: dict[str, Any], message: dict[str, Any]) -> dict[str, Any]:
     op = message["op"]
     if op == "load":
@@ -90,12 +106,7 @@ def _handle(state: dict[str, Any], message: dict[str, Any]) -> dict[str, Any]:
         return {"seconds": time.perf_counter() - start, "system_info": info, "version": llama_cpp.__version__}
     llm = state["llm"]
     if op == "generate":
-        start = time.perf_counter()
-        result = llm(
-            message["prompt"], max_tokens=message["max_tokens"], temperature=0.0, logit_bias=state["bias"]
-        )
-        seconds = time.perf_counter() - start
-        return {"tokens": int(result["usage"]["completion_tokens"]), "seconds": seconds}
+        return _generate(llm, message["prompt"], message["max_tokens"], state["bias"])
     if op == "perplexity":
         start = time.perf_counter()
         return {"perplexity": _perplexity(llm, message["ids"]), "seconds": time.perf_counter() - start}

@@ -111,6 +111,15 @@ class FusedDecoder:
         self._run = _library(kernels).detinf_decoder_layers
         spec, dtype = layers[0].spec, layers[0].ops.numerics.dtype
         self.spec, self.dtype = spec, dtype
+        self._bound: tuple[torch.Tensor, ...] = ()  # the cache tensors the structs point to (checked)
+        heads, kv_heads, dim, item = spec.num_heads, spec.num_kv_heads, spec.head_dim, dtype.itemsize
+        # bytes per token of each scratch buffer: normed, qkv, att, delta, gate_up, act (model dtype),
+        # then q32 and att32 (fp32)
+        self._row_bytes = (
+            *(width * item for width in (spec.hidden_size, (heads + 2 * kv_heads) * dim, heads * dim,
+              spec.hidden_size, 2 * spec.intermediate_size, spec.intermediate_size)),
+            heads * dim * 4, heads * dim * 4,
+        )  # fmt: skip
 
     @classmethod
     def build(cls, kernels: NativeKernels | None, layers: Sequence[DecoderLayer]) -> FusedDecoder | None:
@@ -161,13 +170,11 @@ class FusedDecoder:
             raise ValueError(
                 "fused decoder: positions, metadata and caches must match the step's tokens and layers"
             )
-        self._check_caches(kv_caches, meta)
+        self._bind_caches(kv_caches, meta)
         if rotary.cos.dtype != torch.float32 or not (
             rotary.cos.is_contiguous() and rotary.sin.is_contiguous()
         ):
             raise ValueError("fused decoder: the rotary tables must be contiguous fp32")
-        for index, (keys, values) in enumerate(kv_caches):
-            self._structs[index].k_cache, self._structs[index].v_cache = keys.data_ptr(), values.data_ptr()
         step, buffers = self._step(tokens, positions, meta, rotary, kv_caches[0][0], flags)
         pending = torch.empty_like(hidden)
         status = self._run(
@@ -179,7 +186,25 @@ class FusedDecoder:
             raise error(message)
         return hidden, pending
 
-    def _check_caches(self, kv_caches: Sequence[KVCache], meta: AttentionMetadata) -> None:
+    def _bind_caches(self, kv_caches: Sequence[KVCache], meta: AttentionMetadata) -> None:
+        """Point the layer structs at `kv_caches`, checked first unless they are the very tensors of the
+        last call (the engine passes the same cache tensors every step, so they are checked once)."""
+        tensors = tuple(tensor for pair in kv_caches for tensor in pair)
+        bound = self._bound
+        if len(bound) != len(tensors) or any(old is not new for old, new in zip(bound, tensors, strict=True)):
+            self._bound = ()
+            self._check_caches(kv_caches)
+            for struct, (keys, values) in zip(self._structs, kv_caches, strict=True):
+                struct.k_cache, struct.v_cache = keys.data_ptr(), values.data_ptr()
+            self._bound = tensors
+        first = kv_caches[0][0]
+        if meta.max_block_id >= first.shape[0] or first.shape[3] != meta.block_size:
+            raise ValueError(
+                f"attention metadata (block size {meta.block_size}, block ids up to {meta.max_block_id}) "
+                f"does not fit a cache of {first.shape[0]} blocks of {first.shape[3]}"
+            )
+
+    def _check_caches(self, kv_caches: Sequence[KVCache]) -> None:
         """The C code trusts its pointers: every layer's cache of the model dtype and the first's shape."""
         first = kv_caches[0][0]
         spec = self.spec
@@ -192,11 +217,6 @@ class FusedDecoder:
                 raise ValueError("fused decoder: the value cache does not match the key cache")
             if not (keys.is_contiguous() and values.is_contiguous()):
                 raise ValueError("fused decoder: the caches must be contiguous")
-        if meta.max_block_id >= first.shape[0] or first.shape[3] != meta.block_size:
-            raise ValueError(
-                f"attention metadata (block size {meta.block_size}, block ids up to {meta.max_block_id}) "
-                f"does not fit a cache of {first.shape[0]} blocks of {first.shape[3]}"
-            )
 
     def _step(
         self,
@@ -207,26 +227,24 @@ class FusedDecoder:
         keys: torch.Tensor,
         flags: int,
     ) -> tuple[_Step, list[torch.Tensor]]:
-        """The step struct and the tensors it points to (scratch buffers and int64 copies of the inputs)."""
+        """The step struct and the tensors it points to (the inputs as int64, one scratch allocation)."""
         spec, dtype = self.spec, self.dtype
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         index = [t.to(torch.int64).contiguous() for t in (positions, meta.write_blocks, meta.write_offsets,
                  meta.block_ids, meta.row_table, meta.row_keys)]  # fmt: skip
-        scratch = [
-            torch.empty((tokens, width), dtype=dtype)
-            for width in (spec.hidden_size, (heads + 2 * kv_heads) * dim, heads * dim, spec.hidden_size,
-                          2 * spec.intermediate_size, spec.intermediate_size)
-        ]  # fmt: skip
-        q32, att32 = (torch.empty((tokens, heads, dim), dtype=torch.float32) for _ in range(2))
-        normed, qkv, att, delta, gate_up, act = (t.data_ptr() for t in scratch)
+        sizes = [-(-tokens * width // 64) * 64 for width in self._row_bytes]  # each starts 64-byte aligned
+        scratch = torch.empty(sum(sizes) + 64, dtype=torch.uint8)
+        base = -(-scratch.data_ptr() // 64) * 64
+        starts = [base + sum(sizes[:i]) for i in range(len(sizes))]
+        normed, qkv, att, delta, gate_up, act, q32, att32 = starts
         step = _Step(
             tokens, spec.hidden_size, heads, kv_heads, dim, spec.intermediate_size, spec.rms_norm_eps,
             dim**-0.5, int(dtype == torch.bfloat16), flags, index[0].data_ptr(), rotary.cos.data_ptr(),
             rotary.sin.data_ptr(), rotary.cos.shape[0], *(t.data_ptr() for t in index[1:]),
-            meta.block_ids.shape[0], keys.shape[0], keys.shape[3], normed, qkv, q32.data_ptr(),
-            att32.data_ptr(), att, delta, gate_up, act,
+            meta.block_ids.shape[0], keys.shape[0], keys.shape[3], normed, qkv, q32, att32, att, delta,
+            gate_up, act,
         )  # fmt: skip
-        return step, [*index, *scratch, q32, att32]
+        return step, [*index, scratch]
 
 
 @functools.cache

@@ -104,6 +104,23 @@ def test_fused_rejects_a_cache_of_another_shape(tiny_q4_k_m_gguf: Path) -> None:
         model.fused(hidden, torch.arange(3), meta, caches, model.rotary)
 
 
+def test_fused_checks_every_new_set_of_caches(tiny_q4_k_m_gguf: Path) -> None:
+    """The caches are checked once while the same tensors come back; any other tensor is checked again."""
+    model = model_of(tiny_q4_k_m_gguf, "bfloat16")
+    spec = model.spec
+    assert model.fused is not None
+    caches = [new_kv_cache(2, BLOCK, spec.num_kv_heads, spec.head_dim, torch.bfloat16) for _ in model.layers]
+    meta = AttentionMetadata.build([(0, 3, [1])], BLOCK)
+    for _ in range(2):
+        model.fused(model.embed(torch.tensor([1, 2, 3])), torch.arange(3), meta, caches, model.rotary)
+    wrong = [*caches[:-1], new_kv_cache(2, BLOCK, spec.num_kv_heads, spec.head_dim, torch.float32)]
+    with pytest.raises(ValueError, match="every layer's cache must be"):
+        model.fused(model.embed(torch.tensor([1, 2, 3])), torch.arange(3), meta, wrong, model.rotary)
+    late = AttentionMetadata.build([(0, 3, [5])], BLOCK)  # the step's metadata is checked at every call
+    with pytest.raises(ValueError, match="does not fit a cache of 2 blocks"):
+        model.fused(model.embed(torch.tensor([1, 2, 3])), torch.arange(3), late, caches, model.rotary)
+
+
 @pytest.mark.slow
 def test_fused_equals_per_op_on_the_default_model() -> None:
     model = model_of(None, "bfloat16")

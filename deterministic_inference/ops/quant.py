@@ -92,6 +92,7 @@ class QuantizedWeight:
         self.shape = (out_features, in_features)
         self.file_mapped = file_mapped
         self.superseded = False  # a repacked copy replaced it for the GEMM (ops/repack.py)
+        self.panels: torch.Tensor | None = None  # that copy, when it has the stored row order
 
     @property
     def row_bytes(self) -> int:

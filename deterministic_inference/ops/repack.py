@@ -9,8 +9,8 @@ only: every output keeps the bits of the stored layout, which builds that do not
 Memory: the repacked copy is as large as the stored tensor. When the stored tensor is a view on the
 model file's private map, its pages are given back (MADV_DONTNEED) chunk by chunk as they are repacked,
 so resident memory stays near the file size. Nothing writes that map, so a page given back still reads
-as the file's bytes: the embedding lookup of a tied output head faults the rows it needs back in from
-the page cache.
+as the file's bytes. The embedding lookup of a tied output head reads its rows back from the repacked
+copy (`stored_rows`) instead, so those pages stay given back.
 """
 
 from __future__ import annotations
@@ -57,6 +57,29 @@ def repacked(
     if weight.file_mapped:
         give_back_pages(weight.data)
         weight.superseded = True  # give_back_superseded gives its pages back again (per layer, at the end)
+        if order is None:
+            weight.panels = out  # a tied embedding reads its rows from here (stored_rows)
+    return out
+
+
+def stored_rows(kernels: NativeKernels, weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, row_bytes]: stored rows `rows` ([R] int64) of a weight whose repacked copy
+    (`weight.panels`) replaced it, read back from that copy: the same bytes, so the same values when
+    dequantised, without faulting the file's pages back in (and giving them back) for every lookup."""
+    panels = weight.panels
+    if panels is None:
+        raise ValueError("stored_rows: the weight has no repacked copy to read")
+    if rows.dtype != torch.int64 or rows.dim() != 1:
+        raise ValueError("stored_rows: rows must be a 1-D int64 tensor of row ids")
+    rows = rows.contiguous()
+    ids = rows.tolist()  # a few token ids: cheaper checked in Python than by two tensor reductions
+    if ids and (min(ids) < 0 or max(ids) >= weight.shape[0]):
+        raise ValueError(f"stored_rows: a row id is outside [0, {weight.shape[0]})")
+    out = torch.empty((rows.numel(), weight.row_bytes), dtype=torch.uint8)
+    _library(kernels).detinf_unrepack_rows(
+        weight.fmt.ggml_type, panels.data_ptr(), weight.row_bytes, rows.data_ptr(), rows.numel(),
+        out.data_ptr(),
+    )  # fmt: skip
     return out
 
 
@@ -114,6 +137,10 @@ def _library(kernels: NativeKernels) -> ctypes.CDLL:
     library.detinf_quant_repacks.restype = ctypes.c_int
     library.detinf_quant_repacks.argtypes = [ctypes.c_int64]
     library.detinf_repack.restype = None
+    library.detinf_unrepack_rows.restype = None
+    library.detinf_unrepack_rows.argtypes = [
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p
+    ]  # fmt: skip
     library.detinf_repack.argtypes = [
         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
         ctypes.c_void_p,

@@ -23,9 +23,10 @@ from typing import TypeAlias
 
 import torch
 
+from deterministic_inference.ops.native import native_kernels
 from deterministic_inference.ops.native_build import NativeBuildError
 from deterministic_inference.ops.quant import QuantizedWeight
-from deterministic_inference.ops.repack import give_back_pages
+from deterministic_inference.ops.repack import give_back_pages, stored_rows
 
 
 @dataclass(frozen=True)
@@ -116,12 +117,16 @@ def _dequantized_rows(
 ) -> torch.Tensor:
     """Rows `ids` of a quantized table, dequantised -> [T, hidden] in `dtype`.
 
-    A tied table whose logits GEMM reads a repacked copy is read from the file's map only here; reading
-    a row maps the page cache's large folio around it (~1 MB per token on a 6.18 kernel: a 16-token
-    `generate` of a 1B Q4_0 file left 34 MB of the table resident beside its repacked copy), so its
-    pages are given back after every lookup; the next lookup faults in only what it reads."""
-    rows = ids if order is None else order[ids]
-    out = blocks.dequantize(rows=rows.contiguous(), dtype=dtype)
-    if blocks.file_mapped and blocks.superseded:
+    A tied table whose logits GEMM reads a repacked copy has given its file pages back; its rows are
+    read back from that copy (the same bytes, so the same values). Reading them from the file's map
+    instead would map the page cache's large folio around each row (~1 MB per token on a 6.18 kernel),
+    which would then have to be given back after every lookup."""
+    rows = (ids if order is None else order[ids]).contiguous()
+    if blocks.panels is not None and order is None and len(rows):
+        kernels = native_kernels()
+        found = QuantizedWeight(stored_rows(kernels, blocks, rows), blocks.fmt, (len(rows), blocks.shape[1]))
+        return found.dequantize(dtype=dtype, kernels=kernels)
+    out = blocks.dequantize(rows=rows, dtype=dtype)
+    if blocks.file_mapped and blocks.superseded:  # repacked through a row order: give the pages back
         give_back_pages(blocks.data)
     return out

@@ -15,7 +15,7 @@ import torch
 from deterministic_inference.ops.native import NativeKernels
 from deterministic_inference.ops.quant import FORMATS, QuantizedWeight, QuantLinear
 from deterministic_inference.ops.quant_probe import random_weight
-from deterministic_inference.ops.repack import _library, give_back_superseded
+from deterministic_inference.ops.repack import _library, give_back_superseded, repacked, stored_rows
 from deterministic_inference.ops.weights import Embedding, RowOrdered
 from tests.ops.helpers import bits, num_threads
 from tests.ops.quant_reference import documented_output
@@ -170,17 +170,45 @@ def test_pages_read_again_after_repacking_are_given_back_once_the_model_is_built
     assert torch.equal(data, weight.data)
 
 
-def test_a_tied_table_read_from_the_map_only_by_lookups_gives_its_pages_back_after_each(
+def test_a_tied_table_is_looked_up_in_its_repacked_copy_without_touching_the_map(
     repacking: NativeKernels, tmp_path: Path
 ) -> None:
-    """Once the logits GEMM reads a repacked copy, an embedding lookup faults in the rows it reads (and
-    the page cache's folio around them) and gives them back; the rows keep their bits. Negative control:
-    the same rows read without the give-back stay resident, so the check can fail."""
+    """Once the logits GEMM reads a repacked copy, an embedding lookup reads its rows back from that copy:
+    the rows keep their bits and the file's pages stay given back. Negative control: the same rows read
+    from the map fault its pages in, so the residency check can fail."""
     weight, data, mapped = _file_mapped_q4_0(11, tmp_path)
     QuantLinear(repacking, [mapped], bias=None, out_dtype=torch.float32)  # the tied head's repacked copy
+    assert mapped.panels is not None
     ids = torch.arange(0, 4096, 64)  # 64 rows, one every 72 KiB
-    rows = Embedding(mapped, torch.float32)(ids)
-    assert torch.equal(bits(rows), bits(weight.dequantize(ids)))
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = Embedding(mapped, dtype)(ids)
+        assert torch.equal(bits(rows), bits(weight.dequantize(ids, dtype=dtype)))
     assert _resident_kib(data.data_ptr()) <= 64
-    mapped.dequantize(ids)  # negative control: the lookup's read without its give-back
+    mapped.dequantize(ids)  # negative control: the rows read from the map
     assert _resident_kib(data.data_ptr()) >= 64 * 4
+
+
+@pytest.mark.parametrize("name", REPACKED)
+def test_stored_rows_read_back_from_the_repacked_copy_are_the_stored_bytes(
+    repacking: NativeKernels, name: str
+) -> None:
+    """Any rows, in any order and repeated, come back byte for byte; one damaged byte of the copy shows
+    (negative control)."""
+    weight = random_weight(name, 80, K, torch.Generator().manual_seed(12))
+    weight.panels = repacked(repacking, weight, None)
+    assert weight.panels is not None
+    ids = torch.tensor([79, 0, 17, 17, 64, 15, 16, 5])
+    assert torch.equal(stored_rows(repacking, weight, ids), weight.data[ids])
+    weight.panels.view(-1)[weight.row_bytes * 16 + 3] ^= 0x10  # panel 1 (rows 16..31)
+    assert not torch.equal(stored_rows(repacking, weight, torch.arange(16, 32)), weight.data[16:32])
+    assert torch.equal(stored_rows(repacking, weight, torch.arange(16)), weight.data[:16])  # panel 0 intact
+
+
+def test_stored_rows_refuses_rows_out_of_range_and_weights_without_a_copy(repacking: NativeKernels) -> None:
+    weight = random_weight("Q4_0", 32, K, torch.Generator().manual_seed(13))
+    with pytest.raises(ValueError, match="no repacked copy"):
+        stored_rows(repacking, weight, torch.tensor([0]))
+    weight.panels = repacked(repacking, weight, None)
+    for ids in (torch.tensor([32]), torch.tensor([-1]), torch.tensor([1.0])):
+        with pytest.raises(ValueError, match="stored_rows"):
+            stored_rows(repacking, weight, ids)

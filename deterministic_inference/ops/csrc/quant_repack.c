@@ -93,6 +93,42 @@ void detinf_repack(int64_t format, const uint8_t *src, const int64_t *row_order,
     }
 }
 
+/* Column c of one repacked panel (at `panel`) back in the stored layout: row [row_bytes] gets the stored
+   row's bytes, each moved back from where detinf_repack put it. */
+static void unrepack_column(int64_t format, const uint8_t *panel, int64_t row_bytes, int c, uint8_t *row) {
+    const int64_t bytes = format_block_bytes(format);
+    if (format_block_values(format) == SUPER) {
+        const int64_t pieces = bytes / 16, rest = bytes % 16;
+        for (int64_t s = 0; s < row_bytes / bytes; s++) {
+            const uint8_t *in = panel + QCOLS * bytes * s;
+            uint8_t *super = row + bytes * s;
+            for (int64_t piece = 0; piece < pieces; piece++)
+                for (int i = 0; i < 4; i++) memcpy(super + 16 * piece + 4 * i, in + 256 * piece + 64 * i + 4 * c, 4);
+            memcpy(super + 16 * pieces, in + 256 * pieces + rest * c, (size_t)rest);
+        }
+        return;
+    }
+    const int fields = x16_fields(format);
+    const int64_t blocks = row_bytes / bytes, qs_bytes = x16_qs_bytes(format);
+    const uint8_t flip = format == Q8_0 ? 0x80 : 0, *qs = panel + X16_FIELD_BYTES * fields * blocks;
+    for (int64_t b = 0; b < blocks; b++) {
+        uint8_t *block = row + bytes * b;
+        for (int f = 0; f < fields; f++) memcpy(block + 2 * f, panel + X16_FIELD_BYTES * (f * blocks + b) + 2 * c, 2);
+        for (int t = 0; t < qs_bytes / 64; t++)
+            for (int j = 0; j < 4; j++) block[2 * fields + 4 * t + j] = qs[qs_bytes * b + 64 * t + 4 * c + j] ^ flip;
+    }
+}
+
+/* Stored rows rows[0..count) (each in [0, N), checked by ops/repack.py) of a part detinf_repack wrote
+   without a row order -> out [count][row_bytes], byte for byte the stored rows: the embedding lookup of a
+   tied table reads them here instead of the file's pages the repack gave back. */
+void detinf_unrepack_rows(int64_t format, const uint8_t *panels, int64_t row_bytes, const int64_t *rows,
+                          int64_t count, uint8_t *out) {
+    for (int64_t i = 0; i < count; i++)
+        unrepack_column(format, panels + rows[i] / QCOLS * QCOLS * row_bytes, row_bytes, (int)(rows[i] % QCOLS),
+                        out + i * row_bytes);
+}
+
 /* One unit's 16 fp16 fields at `at` -> 16 fp32 at out (exact conversions, so any path gives the same). */
 static inline void x16_fields_f32(const uint8_t *at, float *out) {
 #if defined(DETINF_Q_AVX512)

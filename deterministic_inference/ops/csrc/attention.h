@@ -107,12 +107,54 @@ static inline float row_max(const float *scores, int64_t keys, int64_t step) {
     return m;
 }
 
+#if defined(__AVX512F__) && !defined(DETINF_TEST_SEPARATE_STEPS)
+/* exp_in_range of 16 lanes, each lane exactly its operations: the same fused multiply-adds, the
+   truncation of the integer-valued n, and p * 2^n (VSCALEFPS rounds the exact product p * 2^n once, as
+   the multiplication by the float 2^n does; 2^n is a normal float for every n here). */
+static inline __m512 exp16_in_range(__m512 x) {
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic), magic);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f),
+                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 5040.0f), r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* exp(s - m) of the 16 scores at x, s - m clamped below at -87 (MAXPS(-87, d) is -87 > d ? -87 : d: the
+   scalar clamp, NaN included), written back in place */
+static inline __m512 exp16_shifted(float *x, __m512 m) {
+    const __m512 e = exp16_in_range(_mm512_max_ps(_mm512_set1_ps(-87.0f), _mm512_sub_ps(_mm512_loadu_ps(x), m)));
+    _mm512_storeu_ps(x, e);
+    return e;
+}
+#endif
+
 /* In place over the row's keys: s -> exp(s - max), clamped below at -87. Returns their sum, as
-   lane_sum (common.h) would over the contiguous row: key j goes to lane j % 16, then lane_tree. */
-static inline float exp_and_sum(float *scores, int64_t keys, int64_t step) {
+   lane_sum (common.h) would over the contiguous row: key j goes to lane j % 16, then lane_tree. The
+   AVX-512 path computes four vectors of keys at once (their exps are independent, so the core overlaps
+   them) and adds them to the lanes in key order: the same operations in the same order. */
+__attribute__((noinline)) static float exp_and_sum(float *scores, int64_t keys, int64_t step) {
     const float m = row_max(scores, keys, step);
     float lanes[LANES] = {0};
     int64_t j = 0;
+#if defined(__AVX512F__) && !defined(DETINF_TEST_SEPARATE_STEPS)
+    const __m512 max = _mm512_set1_ps(m);
+    __m512 sums = _mm512_setzero_ps();
+    for (; j + 4 * LANES <= keys; j += 4 * LANES) {
+        float *x = scores + (j / LANES) * step;
+        const __m512 e0 = exp16_shifted(x, max), e1 = exp16_shifted(x + step, max);
+        const __m512 e2 = exp16_shifted(x + 2 * step, max), e3 = exp16_shifted(x + 3 * step, max);
+        sums = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_add_ps(sums, e0), e1), e2), e3);
+    }
+    for (; j + LANES <= keys; j += LANES) sums = _mm512_add_ps(sums, exp16_shifted(scores + (j / LANES) * step, max));
+    _mm512_storeu_ps(lanes, sums);
+#else
     for (; j + LANES <= keys; j += LANES) {
         float *x = scores + (j / LANES) * step;
         for (int l = 0; l < LANES; l++) {
@@ -121,6 +163,7 @@ static inline float exp_and_sum(float *scores, int64_t keys, int64_t step) {
             lanes[l] = lanes[l] + x[l];
         }
     }
+#endif
     float *x = scores + (j / LANES) * step;
     for (int l = 0; j + l < keys; l++) {
         const float shifted = x[l] - m;

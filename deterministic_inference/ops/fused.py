@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -192,8 +193,7 @@ class FusedDecoder:
         tensors = tuple(tensor for pair in kv_caches for tensor in pair)
         bound = self._bound
         if len(bound) != len(tensors) or any(old is not new for old, new in zip(bound, tensors, strict=True)):
-            self._bound = ()
-            self._check_caches(kv_caches)
+            self._check_caches(kv_caches)  # raises before any struct changes
             for struct, (keys, values) in zip(self._structs, kv_caches, strict=True):
                 struct.k_cache, struct.v_cache = keys.data_ptr(), values.data_ptr()
             self._bound = tensors
@@ -235,8 +235,7 @@ class FusedDecoder:
         sizes = [-(-tokens * width // 64) * 64 for width in self._row_bytes]  # each starts 64-byte aligned
         scratch = torch.empty(sum(sizes) + 64, dtype=torch.uint8)
         base = -(-scratch.data_ptr() // 64) * 64
-        starts = [base + sum(sizes[:i]) for i in range(len(sizes))]
-        normed, qkv, att, delta, gate_up, act, q32, att32 = starts
+        normed, qkv, att, delta, gate_up, act, q32, att32 = itertools.accumulate(sizes[:-1], initial=base)
         step = _Step(
             tokens, spec.hidden_size, heads, kv_heads, dim, spec.intermediate_size, spec.rms_norm_eps,
             dim**-0.5, int(dtype == torch.bfloat16), flags, index[0].data_ptr(), rotary.cos.data_ptr(),

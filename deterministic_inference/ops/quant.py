@@ -99,6 +99,17 @@ class QuantizedWeight:
         """Bytes per stored row."""
         return int(self.data.shape[1])
 
+    def checked_rows(self, rows: torch.Tensor, caller: str) -> torch.Tensor:
+        """`rows` as contiguous [R] int64 ids of this weight's rows; ValueError naming `caller` when they
+        are not 1-D int64 or one is outside [0, N) (the C code reads the rows they name unchecked)."""
+        if rows.dtype != torch.int64 or rows.dim() != 1:
+            raise ValueError(f"{caller}: rows must be a 1-D int64 tensor of row ids")
+        rows = rows.contiguous()
+        ids = rows.tolist()  # a few token ids: cheaper checked in Python than by two tensor reductions
+        if ids and (min(ids) < 0 or max(ids) >= self.shape[0]):
+            raise ValueError(f"{caller}: a row id is outside [0, {self.shape[0]})")
+        return rows
+
     def dequantize(
         self,
         rows: torch.Tensor | None = None,  # [R] int64 row ids (e.g. token ids); None = every row
@@ -111,11 +122,7 @@ class QuantizedWeight:
             raise ValueError(f"dequantize: dtype must be float32 or bfloat16, not {dtype}")
         count = self.shape[0]
         if rows is not None:
-            if rows.dtype != torch.int64 or rows.dim() != 1:
-                raise ValueError("dequantize: rows must be a 1-D int64 tensor of row ids")
-            rows = rows.contiguous()
-            if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.shape[0]):
-                raise ValueError(f"dequantize: a row id is outside [0, {self.shape[0]})")
+            rows = self.checked_rows(rows, "dequantize")
             count = rows.numel()
         out = torch.empty((count, self.shape[1]), dtype=dtype)
         if count:

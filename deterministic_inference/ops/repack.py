@@ -69,12 +69,7 @@ def stored_rows(kernels: NativeKernels, weight: QuantizedWeight, rows: torch.Ten
     panels = weight.panels
     if panels is None:
         raise ValueError("stored_rows: the weight has no repacked copy to read")
-    if rows.dtype != torch.int64 or rows.dim() != 1:
-        raise ValueError("stored_rows: rows must be a 1-D int64 tensor of row ids")
-    rows = rows.contiguous()
-    ids = rows.tolist()  # a few token ids: cheaper checked in Python than by two tensor reductions
-    if ids and (min(ids) < 0 or max(ids) >= weight.shape[0]):
-        raise ValueError(f"stored_rows: a row id is outside [0, {weight.shape[0]})")
+    rows = weight.checked_rows(rows, "stored_rows")
     out = torch.empty((rows.numel(), weight.row_bytes), dtype=torch.uint8)
     _library(kernels).detinf_unrepack_rows(
         weight.fmt.ggml_type, panels.data_ptr(), weight.row_bytes, rows.data_ptr(), rows.numel(),
@@ -137,12 +132,12 @@ def _library(kernels: NativeKernels) -> ctypes.CDLL:
     library.detinf_quant_repacks.restype = ctypes.c_int
     library.detinf_quant_repacks.argtypes = [ctypes.c_int64]
     library.detinf_repack.restype = None
-    library.detinf_unrepack_rows.restype = None
-    library.detinf_unrepack_rows.argtypes = [
-        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p
-    ]  # fmt: skip
     library.detinf_repack.argtypes = [
         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
         ctypes.c_void_p,
+    ]  # fmt: skip
+    library.detinf_unrepack_rows.restype = None
+    library.detinf_unrepack_rows.argtypes = [
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p
     ]  # fmt: skip
     return library

@@ -112,10 +112,10 @@ static inline float row_max(const float *scores, int64_t keys, int64_t step) {
    truncation of the integer-valued n, and p * 2^n (VSCALEFPS rounds the exact product p * 2^n once, as
    the multiplication by the float 2^n does; 2^n is a normal float for every n here). */
 static inline __m512 exp16_in_range(__m512 x) {
-    const __m512 magic = _mm512_set1_ps(12582912.0f);
-    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic), magic);
-    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f),
-                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
+    const __m512 magic = _mm512_set1_ps(ROUND_MAGIC);
+    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), magic), magic);
+    const __m512 r_hi = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r_hi);
     __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 5040.0f), r, _mm512_set1_ps(1.0f / 720.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));

@@ -5,8 +5,6 @@
 
 #include "quant.h"
 
-#define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: adding then subtracting rounds |v| < 2^22 to an integer, ties even */
-
 int xquant_alloc(xquant *xq, int64_t m, int64_t k, int block) {
     xq->k = k;
     xq->block = block;

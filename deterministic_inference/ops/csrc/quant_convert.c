@@ -61,7 +61,7 @@ static uint16_t f32_to_f16(float value) {
     if (magnitude >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* >= 65520 */
     if (magnitude < 0x38800000u) {                                   /* below 2^-14: a subnormal half */
         float ulps = fabsf(value) * 16777216.0f;                         /* in units of 2^-24, exact */
-        ulps = (ulps + 12582912.0f) - 12582912.0f;                       /* to an integer, ties even */
+        ulps = (ulps + ROUND_MAGIC) - ROUND_MAGIC;                       /* to an integer, ties even */
         return (uint16_t)(sign | (uint32_t)ulps);
     }
     uint32_t half = ((magnitude >> 23) - 112) << 10 | ((magnitude >> 13) & 0x3FFu);

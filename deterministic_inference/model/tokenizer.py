@@ -1,8 +1,9 @@
 """The tokenizer every loader returns: a `tokenizers.Tokenizer` plus the model's special-token rules.
 
-Encoding never runs the backend's post-processor: BOS is added here, and only when the model's metadata
-asks for it, so GGUF and HF sources of one model produce the same ids. Decoding is the backend's; the
-incremental decoder streams text whose concatenation equals the full decode.
+Encoding never runs the backend's post-processor: BOS (and EOS) are added here, and only when the model's
+metadata asks for it, so GGUF and HF sources of one model produce the same ids. Decoding is the backend's;
+the incremental decoder streams text whose concatenation equals the full decode of the output as a
+continuation (see `Tokenizer.decode`).
 """
 
 from __future__ import annotations
@@ -41,12 +42,21 @@ def byte_level_alphabet() -> dict[int, str]:
     return table
 
 
-def _is_byte_level(backend: tokenizers.Tokenizer) -> bool:
+def _is_byte_level(decoder: dict[str, Any]) -> bool:
     # the decoder's own JSON (the whole tokenizer's, with a 49k vocabulary, took ~0.4 s to parse)
-    decoder = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else {}
     if decoder.get("type") == "ByteLevel":
         return True
     return any(d.get("type") == "ByteLevel" for d in decoder.get("decoders", []) or [])
+
+
+def _strips_leading_space(decoder: dict[str, Any]) -> bool:
+    """Whether a decoder JSON ends by stripping one leading space (SentencePiece's dummy prefix, as in
+    Llama's `Strip` after `Fuse`, or a `Metaspace` decoder that prepends)."""
+    steps = decoder.get("decoders") if decoder.get("type") == "Sequence" else [decoder]
+    last = (steps or [{}])[-1] or {}
+    if last.get("type") == "Strip":
+        return bool(last.get("content") == " " and int(last.get("start", 0)) >= 1)
+    return bool(last.get("type") == "Metaspace" and last.get("prepend_scheme", "always") != "never")
 
 
 def end_of_turn_ids(backend: tokenizers.Tokenizer, template: str | None) -> set[int]:
@@ -72,17 +82,23 @@ class Tokenizer:
         eos_token_ids: Sequence[int],
         add_bos: bool,
         chat_template: str | None,
+        add_eos: bool = False,
+        eos_token_id: int | None = None,
     ) -> None:
         self.backend = backend
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
         self.add_bos = add_bos
+        # the EOS appended when the metadata asks for it (add_eos_token): the file's one eos_token_id
+        self.appended_eos_id = eos_token_id if add_eos else None
         self.chat_template = chat_template
         self._special: dict[int, str] = {
             i: t.content for i, t in backend.get_added_tokens_decoder().items() if t.special
         }
-        self._byte_level = _is_byte_level(backend)
+        decoder = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else {}
+        self._byte_level = _is_byte_level(decoder)
+        self._strips_space = _strips_leading_space(decoder)
         self._unbyte = {ch: b for b, ch in byte_level_alphabet().items()}
         bos_text = self._special_text(bos_token_id)
         eos_text = self._special_text(self.eos_token_ids[0] if self.eos_token_ids else None)
@@ -95,16 +111,34 @@ class Tokenizer:
         """Token ids of `text`; special-token strings in it become their ids.
 
         With add_special_tokens, BOS is prepended when the model's metadata says so, unless the text
-        already starts with it (a chat template that writes BOS itself)."""
+        already starts with it (a chat template that writes BOS itself); likewise EOS is appended when
+        the metadata says so (add_eos_token), unless the text already ends with it."""
         ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
-        bos = self.bos_token_id
+        bos, eos = self.bos_token_id, self.appended_eos_id
         if add_special_tokens and self.add_bos and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
+        if add_special_tokens and eos is not None and (not ids or ids[-1] != eos):
+            ids.append(eos)
         return ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of `ids`; bytes that do not form valid UTF-8 become U+FFFD."""
-        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True, continuation: bool = False) -> str:
+        """Text of `ids`; bytes that do not form valid UTF-8 become U+FFFD.
+
+        SentencePiece vocabularies strip the one space their encoder prepends, so that
+        `decode(encode(text)) == text`. With `continuation`, `ids` continue a text (a completion after
+        its prompt, a window of a stream) and that space is kept, as llama.cpp and vLLM return it:
+        "▁Paris" decodes to " Paris"."""
+        text = str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        if continuation and self._strips_space and self._starts_with_space(ids, skip_special_tokens):
+            return " " + text
+        return text
+
+    def _starts_with_space(self, ids: Sequence[int], skip_special_tokens: bool) -> bool:
+        for token_id in ids:
+            if skip_special_tokens and token_id in self._special:
+                continue
+            return self.token_bytes(token_id)[:1] == b" "
+        return False
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (a special token: its text in UTF-8)."""
@@ -147,7 +181,8 @@ class Tokenizer:
 
 
 class IncrementalDecoder:
-    """Streams text token by token; the pushes plus `flush()` concatenate to `decode(all ids)`.
+    """Streams text token by token; the pushes plus `flush()` concatenate to
+    `decode(all ids, continuation=True)`: the output continues its prompt.
 
     Each push decodes a short window (the tokens of the previous delta plus the new ones), so leading
     spaces that some decoders strip at the start of a text are kept, and holds text back while it ends
@@ -162,7 +197,7 @@ class IncrementalDecoder:
         self._emitted: list[str] = []
 
     def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.decode(self._ids[start:end], self._skip)
+        return self._tokenizer.decode(self._ids[start:end], self._skip, continuation=True)
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes ("" while a character is still partial)."""
@@ -179,7 +214,7 @@ class IncrementalDecoder:
 
     def flush(self) -> str:
         """The text still held back; after this, the emitted text equals the full decode."""
-        full = self._tokenizer.decode(self._ids, self._skip)
+        full = self._tokenizer.decode(self._ids, self._skip, continuation=True)
         done = "".join(self._emitted)
         rest = full[len(done) :] if full.startswith(done) else ""
         self._emitted.append(rest)

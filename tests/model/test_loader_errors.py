@@ -141,9 +141,9 @@ def test_unsupported_rope_scaling(tiny_llama_dir: TinyModel, tmp_path: Path) -> 
         load_model(str(path))
 
 
-def test_gguf_sentencepiece_tokenizer_is_refused(tiny_llama_dir: TinyModel, tmp_path: Path) -> None:
-    path = write_gguf(tiny_llama_dir, tmp_path / "spm.gguf", tokenizer_model="llama").path
-    with pytest.raises(ModelLoadError, match="tokenizer.ggml.model is 'llama'.*Hugging Face directory"):
+def test_gguf_unknown_tokenizer_model_is_refused(tiny_llama_dir: TinyModel, tmp_path: Path) -> None:
+    path = write_gguf(tiny_llama_dir, tmp_path / "t5.gguf", tokenizer_model="t5").path
+    with pytest.raises(ModelLoadError, match="tokenizer.ggml.model is 't5'.*'llama'.*Hugging Face directory"):
         load_model(str(path))
 
 

@@ -70,3 +70,13 @@ def tiny_qwen2_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     from tests.moe_models import build_moe_hf
 
     return build_moe_hf(tmp_path_factory.mktemp("tiny-qwen2-moe"), "qwen2_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_spm_gguf(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """A tiny random llama GGUF whose vocabulary is SentencePiece ("llama"), trained locally (byte
+    fallback, dummy prefix, <start_of_turn>/<end_of_turn> control tokens, a Gemma-style template)."""
+    from tests.spm_models import train_spm, write_spm_gguf
+
+    directory = tmp_path_factory.mktemp("tiny-spm")
+    return write_spm_gguf(directory / "tiny-spm.gguf", train_spm(directory))

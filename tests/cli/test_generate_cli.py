@@ -105,3 +105,21 @@ def test_kv_cache_memory_and_quantization_options(tiny_llama_dir: TinyModel) -> 
         assert result.returncode == 2 and len(lines) == 1 and needle in lines[0], result.stderr
     wrong = detinf(*base, "--quantization", "q4_0")
     assert wrong.returncode == 2 and "--quantization" in wrong.stderr
+
+
+def test_generate_with_a_sentencepiece_gguf(tiny_spm_gguf: TinyModel) -> None:
+    from deterministic_inference.model.loader import load_model
+
+    prompt = "  Hello\tworld 你好 🦀 <start_of_turn>"
+    args = ("generate", "--model", str(tiny_spm_gguf.path), "--prompt", prompt, "--max-tokens", "9", "--json")
+    tokenizer = load_model(str(tiny_spm_gguf.path)).tokenizer
+    for chat in (False, True):
+        result = detinf(*args, "--dtype", "float32", "--no-selfcheck", *(["--chat"] if chat else []))
+        assert result.returncode == 0, result.stderr
+        (entry,) = json.loads(result.stdout)["outputs"]
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        assert entry["prompt_token_ids"] == tokenizer.encode(rendered)
+        ids = entry["prompt_token_ids"]
+        assert ids[0] == 1 and 3 in ids  # BOS, and <start_of_turn> parsed as its control token
+        assert entry["output_token_ids"]
+        assert entry["text"] == tokenizer.decode(entry["output_token_ids"], continuation=True)

@@ -132,8 +132,9 @@ def _vllm_logprob(tokenizer: Tokenizer, token_id: int, value: float, rank: int |
 
 
 def text_length(tokenizer: Tokenizer, token_id: int) -> int:
-    """Characters a token adds to decoded text (0 for special tokens like BOS); for `text_offset`."""
-    return len(tokenizer.decode([token_id]))
+    """Characters a token adds to decoded text (0 for special tokens like BOS); for `text_offset`. A
+    continuation: a SentencePiece token "▁the" adds 4 characters, its space included."""
+    return len(tokenizer.decode([token_id], continuation=True))
 
 
 def merge_completion_logprobs(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -46,16 +46,15 @@ def spm_merges(pieces: Sequence[str], scores: Sequence[float]) -> list[tuple[str
     Invariant: a pair is merged before another exactly when its piece scores higher (ties: lower piece
     id, then earlier split), so the ids depend only on the vocabulary, never on the text around it."""
     vocab = piece_ids(pieces)
-    ranked: list[tuple[float, int, int, str, str]] = []
+    ranked: list[tuple[float, int, int]] = []  # (-score, piece id, cut)
     for token_id, piece in enumerate(pieces):
-        if vocab.get(piece) != token_id:
+        if len(piece) < 2 or vocab[piece] != token_id:
             continue  # a duplicate piece: only its first id is ever produced
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in vocab and right in vocab:
-                ranked.append((-float(scores[token_id]), token_id, cut, left, right))
-    ranked.sort(key=lambda entry: entry[:3])
-    return [(left, right) for _, _, _, left, right in ranked]
+        score = -float(scores[token_id])
+        cuts = range(1, len(piece))
+        ranked += [(score, token_id, cut) for cut in cuts if piece[:cut] in vocab and piece[cut:] in vocab]
+    ranked.sort()
+    return [(pieces[i][:cut], pieces[i][cut:]) for _, i, cut in ranked]
 
 
 def piece_ids(pieces: Sequence[str]) -> dict[str, int]:

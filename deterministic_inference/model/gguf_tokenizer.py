@@ -120,9 +120,10 @@ def _pre(path: Path, meta: dict[str, Any]) -> str:
 
 
 def _sentencepiece_backend(path: Path, meta: dict[str, Any]) -> tokenizers.Tokenizer:
-    """The SentencePiece BPE of a "llama" vocabulary: pieces, scores (0 when absent, as in llama.cpp),
-    token types, `add_space_prefix` (default true)."""
-    pieces: list[str] = list(_required(path, meta, "tokenizer.ggml.tokens"))
+    """The SentencePiece BPE of a "llama" vocabulary: pieces (an empty one renamed as llama.cpp does),
+    scores (0 when absent, as in llama.cpp), token types, `add_space_prefix` (default true)."""
+    tokens = _required(path, meta, "tokenizer.ggml.tokens")
+    pieces = [piece or f"[EMPTY_{i}]" for i, piece in enumerate(tokens)]
     scores: Sequence[float] = meta.get("tokenizer.ggml.scores") or [0.0] * len(pieces)
     types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(pieces)
     for key, values in (("scores", scores), ("token_type", types)):

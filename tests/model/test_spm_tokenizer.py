@@ -5,6 +5,7 @@ fragment, byte fallback, specials parsed in text, add_bos/add_eos)."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +72,20 @@ def _all_texts() -> list[str]:
     return TEXTS + corpus(seed=11, lines=200)
 
 
+def _piece_soup(pieces: list[str], count: int = 600) -> list[str]:
+    """Random runs of pieces (spaces for U+2581) and loose characters: every merge order gets exercised."""
+    rng = random.Random(3)
+    normal = [p.replace("\u2581", " ") for p in pieces if not p.startswith("<")]
+    chars = sorted({c for p in normal for c in p}) + list(" \t\n你好😀ǅ🦀")
+    def pick() -> str:
+        return rng.choice(normal) if rng.random() < 0.5 else rng.choice(chars)
+
+    return ["".join(pick() for _ in range(rng.randint(1, 30))) for _ in range(count)]
+
+
 def test_ids_equal_sentencepiece(spm_model: Path, gguf_tok: Tokenizer) -> None:
     proc = _processor(spm_model)
-    for text in _all_texts():
+    for text in _all_texts() + _piece_soup(gguf_vocab(spm_model)[0]):
         assert gguf_tok.encode(text, add_special_tokens=False) == proc.encode(text), repr(text)
     # the test can fail: the same vocabulary with the prefix rule flipped tokenizes differently
     pieces, scores, types = gguf_vocab(spm_model)
@@ -183,7 +195,7 @@ def _transformers_reference(model_path: Path) -> Any:
 
 def test_ids_equal_transformers(spm_model: Path, gguf_tok: Tokenizer, tmp_path: Path) -> None:
     reference = _transformers_reference(spm_model)
-    for text in _all_texts() + SPECIAL_TEXTS[:2]:
+    for text in _all_texts() + SPECIAL_TEXTS[:2] + _piece_soup(gguf_vocab(spm_model)[0], 300):
         expected = reference.encode(text, add_special_tokens=False)
         assert gguf_tok.encode(text, add_special_tokens=False) == expected, repr(text)
         assert gguf_tok.decode(expected) == reference.decode(expected, skip_special_tokens=True)

@@ -101,7 +101,8 @@ class Tokenizer:
         self._strips_space = _strips_leading_space(decoder)
         self._unbyte = {ch: b for b, ch in byte_level_alphabet().items()}
         bos_text = self._special_text(bos_token_id)
-        eos_text = self._special_text(self.eos_token_ids[0] if self.eos_token_ids else None)
+        template_eos = eos_token_id if eos_token_id is not None else next(iter(self.eos_token_ids), None)
+        eos_text = self._special_text(template_eos)  # the template's eos_token: the file's EOS
         self._template = ChatTemplate(chat_template, bos_text, eos_text) if chat_template else None
 
     def _special_text(self, token_id: int | None) -> str | None:

@@ -119,10 +119,14 @@ def write_spm_metadata(
     add_eos: bool | None = False,
     pre: str | None = "default",
     template: str | None = GEMMA_TEMPLATE,
+    type_overrides: dict[str, int] | None = None,
 ) -> int:
     """The SentencePiece vocabulary at `model_path` as GGUF `tokenizer.ggml.*` metadata ("llama" model);
-    a None flag leaves its key out (llama.cpp's default applies). Returns the token count."""
+    a None flag leaves its key out (llama.cpp's default applies); `type_overrides`: piece -> token type.
+    Returns the token count."""
     pieces, scores, types = gguf_vocab(model_path)
+    for piece, kind in (type_overrides or {}).items():
+        types[pieces.index(piece)] = kind
     writer.add_tokenizer_model("llama")
     if pre is not None:
         writer.add_tokenizer_pre(pre)

@@ -168,6 +168,16 @@ def test_phi3_files_strip_whitespace_after_specials(spm_model: Path, tmp_path: P
     assert phi3.encode(SPECIAL_TEXTS[2], add_special_tokens=False) == expected
 
 
+def test_end_of_turn_is_special_whatever_its_type(spm_model: Path, tmp_path: Path) -> None:
+    """A file that types <end_of_turn> as user-defined (llama.cpp overrides it to control): it is still
+    parsed from text, skipped when decoding, and stops generation (the template writes it)."""
+    tok = _gguf_tokenizer(spm_model, tmp_path, type_overrides={"<end_of_turn>": 4}, pre=None)
+    end = _processor(spm_model).piece_to_id("<end_of_turn>")
+    ids = tok.encode("hi<end_of_turn>", add_special_tokens=False)
+    assert ids[-1] == end and end in tok.eos_token_ids
+    assert tok.decode(ids) == "hi" and tok.decode(ids, skip_special_tokens=False) == "hi<end_of_turn>"
+
+
 def _transformers_reference(model_path: Path) -> Any:
     """transformers' tokenizer for the model: Llama's legacy conversion (Prepend + Replace normalizer,
     byte fallback; how Llama 2 / Mistral / Phi-3 tokenizer.json files are built) when it has the dummy

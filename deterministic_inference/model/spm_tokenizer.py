@@ -11,9 +11,12 @@ tokenizer (`llm_tokenizer_spm`):
 - characters that are not pieces become their UTF-8 bytes' `<0xXX>` tokens (byte fallback).
 
 The merge loop is a BPE whose merge list is every split (left, right) of every piece into two pieces,
-ranked by the piece's score: the order of merges is then the score order. Equal scores (rare: several
-splits of one piece, or padding pieces) are ranked by piece id, then split position, as HF's converter
-does. The decoder writes U+2581 as a space, bytes as bytes, and strips the one space the prefix added.
+ranked by the piece's score: the order of merges is then the score order. Equal scores (several splits
+of one piece, padding pieces) are ranked by piece id, then split position, where llama.cpp takes the
+leftmost pair in the text: two overlapping pairs of equal score (e.g. [ab][a][ba] with pieces "aba") can
+merge differently. No BPE merge list can express that tie-break (HF's converted tokenizer.json files
+share the limit); the tests' thousands of random texts never met it. The decoder writes U+2581 as a
+space, bytes as bytes, and strips the one space the prefix added.
 """
 
 from __future__ import annotations

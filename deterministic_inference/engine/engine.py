@@ -24,6 +24,7 @@ from deterministic_inference import fingerprint
 from deterministic_inference.config import EngineConfig
 from deterministic_inference.engine.admission import AdmissionLimits
 from deterministic_inference.engine.faults import FaultInjection
+from deterministic_inference.engine.grammar import GrammarCompiler
 from deterministic_inference.engine.kv_cache import KVCacheManager
 from deterministic_inference.engine.model_runner import ModelRunner
 from deterministic_inference.engine.outputs import OutputAssembler, RequestDelta, RequestOutput
@@ -117,6 +118,8 @@ class Engine:
         self.limits = AdmissionLimits(
             self.spec.vocab_size, self.max_model_len, config.kv_block_size, num_blocks
         )
+        # structured outputs: compiles each constraint once (thread-safe; the server calls it off-thread)
+        self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size)
         keep_freed_memory()
         release_freed_memory()  # whatever the load and the self-check left in the heap
         self.record_trace = record_trace

@@ -91,6 +91,11 @@ class Tokenizer:
     def _special_text(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.backend.id_to_token(token_id)
 
+    @property
+    def special_token_ids(self) -> tuple[int, ...]:
+        """Ids of the special (control) tokens, ascending."""
+        return tuple(sorted(self._special))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special-token strings in it become their ids.
 

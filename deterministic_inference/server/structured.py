@@ -117,7 +117,8 @@ def response_format(value: Mapping[str, Any] | None, param: str = "response_form
             raise bad(f"{param}.json_schema", "required object for type 'json_schema'")
         if "schema" not in inner:  # OpenAI: the schema is optional; without one, any JSON object
             return param, StructuredOutput("json_object", "")
-        return param, json_schema(inner["schema"], f"{param}.json_schema.schema")
+        where = f"{param}.json_schema.schema"
+        return where, json_schema(inner["schema"], where)
     if kind == "structural_tag":
         return param, structural_tag({k: v for k, v in value.items() if k != "type"}, param)
     raise bad(f"{param}.type", f"{kind!r} is not one of text, json_object, json_schema, structural_tag")

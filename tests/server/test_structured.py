@@ -34,7 +34,7 @@ def test_response_format() -> None:
     param, spec = structured.response_format(
         {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}
     ) or ("", None)
-    assert param == "response_format" and spec == structured.json_schema(SCHEMA, "")
+    assert param == "response_format.json_schema.schema" and spec == structured.json_schema(SCHEMA, "")
 
 
 def test_vllm_fields() -> None:

@@ -25,6 +25,7 @@ from deterministic_inference.config import EngineConfig
 from deterministic_inference.engine.admission import AdmissionLimits
 from deterministic_inference.engine.faults import FaultInjection
 from deterministic_inference.engine.grammar import GrammarCompiler
+from deterministic_inference.engine.grammar_state import SequenceGrammar
 from deterministic_inference.engine.kv_cache import KVCacheManager
 from deterministic_inference.engine.model_runner import ModelRunner
 from deterministic_inference.engine.outputs import OutputAssembler, RequestDelta, RequestOutput
@@ -158,6 +159,8 @@ class Engine:
             self._next_auto_id += 1
         if request_id in self._parents or request_id in self._assembled:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use", param="request_id")
+        spec = params.structured_output
+        compiled = None if spec is None else self.grammars.compile(spec)  # cached: the server compiled it
         parent = ParentRequest(request_id, ids, params)
         for choice in range(params.n):
             text = SequenceState(
@@ -171,6 +174,7 @@ class Engine:
                 parent=parent,
                 choice_index=choice,
                 text=text,
+                grammar=None if compiled is None else SequenceGrammar(compiled, params.stop_token_ids),
             )
             self.scheduler.add(sequence)
         self._parents[request_id] = parent

@@ -244,7 +244,7 @@ VLLM_CASES: list[tuple[dict[str, Any], Any]] = [
     ({"structured_outputs": {"json": PERSON}}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
     ({"guided_regex": "(ab)+c"}, lambda t: re.fullmatch("(ab)+c", t)),
     ({"guided_choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta")),
-    ({"guided_grammar": 'root ::= [0-9]+ "!"'}, lambda t: re.fullmatch("[0-9]+!", t)),
+    ({"guided_grammar": 'root ::= [0-9] [0-9]? [0-9]? "!"'}, lambda t: re.fullmatch("[0-9]{1,3}!", t)),
     ({"guided_json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}},
      lambda t: jsonschema.validate(json.loads(t), PERSON) is None),

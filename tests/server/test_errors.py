@@ -78,8 +78,10 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
      {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
          "name": "x", "schema": {"type": "frobnicate"}}}}, 400, "response_format.json_schema.schema"),
     ("unsupported schema feature", "/v1/completions",
-     {"prompt": "x", "structured_outputs": {"json": {"type": "object", "patternProperties": {"[": {}}}}}, 400,
+     {"prompt": "x", "structured_outputs": {"json": {"type": "array", "uniqueItems": True}}}, 400,
      "structured_outputs.json"),
+    ("remote $ref in a schema", "/v1/completions",
+     {"prompt": "x", "guided_json": {"$ref": "http://example.com/s.json"}}, 400, "guided_json"),
     ("invalid regex", "/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "(ab"}}, 400,
      "structured_outputs.regex"),
     ("invalid grammar", "/v1/completions", {"prompt": "x", "guided_grammar": "root ::= (("}, 400,

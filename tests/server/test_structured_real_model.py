@@ -296,3 +296,37 @@ def test_sglang_generate_fields(server: RunningServer, field: str, value: str, c
     answer = httpx.post(server.base_url + "/generate", json=body, timeout=600).json()
     assert answer["meta_info"]["finish_reason"]["type"] == "stop", answer
     assert check(answer["text"])
+
+
+def test_tool_call_stream_equals_non_stream_bitwise(api: openai.OpenAI) -> None:
+    """Logprobs of a tool-call answer: the streamed entries (riding on call deltas) equal the
+    non-streamed ones, bit for bit."""
+    kwargs: Any = dict(
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="required", temperature=1.0,
+        seed=11, max_tokens=120, logprobs=True, top_logprobs=2,
+    )
+    full = chat(api, **kwargs)
+    entries: list[Any] = []
+    for chunk in chat(api, **kwargs, stream=True):
+        for choice in chunk.choices:
+            entries += choice.logprobs.content if choice.logprobs and choice.logprobs.content else []
+    expected = full.choices[0].logprobs.content
+    assert [(e.token, bits(e.logprob)) for e in entries] == [(e.token, bits(e.logprob)) for e in expected]
+
+
+def test_constrained_n2_choices_match_and_stream_equals_whole(server: RunningServer) -> None:
+    """n=2 with a regex: every choice matches, and each choice's streamed text joins to the whole answer."""
+    body: dict[str, Any] = {
+        "model": MODEL, "prompt": "Code: ", "max_tokens": 24, "temperature": 1.0, "seed": 4, "n": 2,
+        "logprobs": 1, "structured_outputs": {"regex": "[A-Z]{2}-[0-9]{2,4}"},
+    }
+    whole = httpx.post(server.v1 + "/completions", json=body, timeout=600).json()
+    texts = [c["text"] for c in sorted(whole["choices"], key=lambda c: c["index"])]
+    assert all(re.fullmatch("[A-Z]{2}-[0-9]{2,4}", t) for t in texts)
+    streamed = ["", ""]
+    with httpx.stream("POST", server.v1 + "/completions", json={**body, "stream": True}, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    streamed[choice["index"]] += choice["text"]
+    assert streamed == texts

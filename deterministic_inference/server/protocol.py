@@ -213,9 +213,10 @@ class ChatCompletionRequest(_SamplingFields):
             for index, m in enumerate(self.messages)
         ]
 
-    def tool_plan(self) -> ToolPlan:
-        """The request's tools and tool choice, validated (400 naming the field)."""
-        return parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+    def tool_plan(self, style: str = "hermes") -> ToolPlan:
+        """The request's tools and tool choice, validated (400 naming the field); `style`: the model's
+        call format (`tools.tool_style`)."""
+        return parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls, style)
 
     def constraint(self, plan: ToolPlan) -> Constraint | None:
         """The request's one output constraint: response_format, vLLM's fields or the tool-call grammar

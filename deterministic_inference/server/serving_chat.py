@@ -41,6 +41,7 @@ from deterministic_inference.server.serving import (
 )
 from deterministic_inference.server.serving_completions import SSE_HEADERS
 from deterministic_inference.server.structured import compile_checked
+from deterministic_inference.server.tool_llama import parse_llama_calls
 from deterministic_inference.server.tool_parser import (
     Parsed,
     ToolCallStream,
@@ -48,7 +49,7 @@ from deterministic_inference.server.tool_parser import (
     new_call_id,
     parse_calls,
 )
-from deterministic_inference.server.tools import ToolPlan
+from deterministic_inference.server.tools import ToolPlan, tool_style
 
 
 async def create_chat_completion(
@@ -58,7 +59,7 @@ async def create_chat_completion(
     body.reject_unsupported()
     model = ctx.check_model(body.model)
     info = ctx.info()
-    plan = body.tool_plan()
+    plan = body.tool_plan(tool_style(info.tokenizer.chat_template))
     spec = await compile_checked(info.grammars, body.constraint(plan))
     messages, tools = template_input(body.template_messages(), plan, info.tokenizer.chat_template)
     prompt_ids = await ctx.render_chat(messages, tools)
@@ -96,10 +97,11 @@ class _ChatView:
         self.num_top = num_top  # None = no logprobs asked
         self.parses_calls = plan.parses_calls
         self.max_calls = None if plan.parallel else 1  # later blocks stay text without parallel calls
+        self.parse = parse_llama_calls if plan.style == "llama3_json" else parse_calls
 
     def tool_stream(self) -> ToolCallStream | None:
         """A streamed choice's tool-call state (None when the answer is not parsed for calls)."""
-        return ToolCallStream(self.max_calls) if self.parses_calls else None
+        return ToolCallStream(self.max_calls, self.parse) if self.parses_calls else None
 
     def logprobs(self, choice: CompletionOutput | CompletionDelta) -> dict[str, Any] | None:
         """`logprobs` of a choice's (or a delta's) tokens, or None when not asked for."""
@@ -115,7 +117,7 @@ class _ChatView:
         message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}
         finish_reason = choice.finish_reason
         if self.parses_calls:
-            parsed = parse_calls(choice.text, True, self.max_calls)
+            parsed = self.parse(choice.text, True, self.max_calls)
             fields = message_fields(parsed, [new_call_id() for _ in parsed.calls])
             message["content"] = fields["content"]
             if fields["tool_calls"]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +126,7 @@ class ToolCallStream:
     """What one streamed choice has sent; `advance` returns the delta dicts for the text so far."""
 
     max_calls: int | None
+    parse: Callable[[str, bool, int | None], Parsed] = field(default=lambda t, f, m: parse_calls(t, f, m))
     text: str = ""
     content_sent: str = ""
     arguments_sent: list[str] = field(default_factory=list)
@@ -133,7 +135,7 @@ class ToolCallStream:
     def advance(self, piece: str, final: bool) -> list[dict[str, Any]]:
         """Add `piece` of text; the deltas (each a chat `delta` object) that the new text decides."""
         self.text += piece
-        parsed = parse_calls(self.text, final, self.max_calls)
+        parsed = self.parse(self.text, final, self.max_calls)
         deltas: list[dict[str, Any]] = []
         if len(parsed.content) > len(self.content_sent) and parsed.content.startswith(self.content_sent):
             deltas.append({"content": parsed.content[len(self.content_sent) :]})
@@ -151,7 +153,7 @@ class ToolCallStream:
 
     def finish(self) -> Parsed:
         """The final parse (what the non-streamed response holds)."""
-        return parse_calls(self.text, True, self.max_calls)
+        return self.parse(self.text, True, self.max_calls)
 
 
 def _call_delta(index: int, function: dict[str, Any], call_id: str | None = None) -> dict[str, Any]:

@@ -6,7 +6,10 @@ Tool calls are written in one format, Hermes-style (Qwen2.5 / Qwen3 use it too):
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-one block per call (parallel calls: blocks separated by a newline). `tool_choice` picks the grammar:
+one block per call (parallel calls: blocks separated by a newline); models whose chat template asks for
+Llama 3.x's JSON form (`{"name": ..., "parameters": {...}}`, parallel calls separated by "; ") are
+constrained to and parsed in that form instead (`tool_style`, `tool_llama`). `tool_choice` picks the
+grammar:
 "none" -> no grammar (and no parsing); "required" -> one call (or several with `parallel_tool_calls`) of
 any of the tools; a named function -> calls of that function only; "auto" -> free text, and once the
 model writes `<tool_call>` (a lazy trigger) the rest of the block must be a valid call. Inside a call the
@@ -58,6 +61,7 @@ class ToolPlan:
     choice: str  # "none", "auto" or "required" (a named function is "required" with one tool allowed)
     allowed: tuple[Tool, ...]  # the tools a call may name
     parallel: bool
+    style: str = "hermes"  # the call format: "hermes" (<tool_call> blocks) or "llama3_json"
 
     @property
     def parses_calls(self) -> bool:
@@ -68,15 +72,19 @@ class ToolPlan:
         """The constraint for this plan (None for "none")."""
         if not self.parses_calls:
             return None
-        return StructuredOutput("lark", call_grammar(self.allowed, self.choice == "auto", self.parallel))
+        lazy = self.choice == "auto"
+        if self.style == "llama3_json":
+            return StructuredOutput("lark", llama_grammar(self.allowed, lazy, self.parallel))
+        return StructuredOutput("lark", call_grammar(self.allowed, lazy, self.parallel))
 
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools as the chat template (or the generic prompt) receives them."""
         return [{"type": "function", "function": tool.definition} for tool in self.tools]
 
 
-def parse_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolPlan:
-    """Validate `tools` and `tool_choice` (400 naming the field) and resolve the choice."""
+def parse_tools(tools: Any, tool_choice: Any, parallel: bool | None, style: str = "hermes") -> ToolPlan:
+    """Validate `tools` and `tool_choice` (400 naming the field) and resolve the choice; `style`: the
+    call format (`tool_style` of the model's chat template)."""
     if tools is not None and not isinstance(tools, list):
         raise bad("tools", "must be a list of tools")
     parsed = tuple(_tool(index, item) for index, item in enumerate(tools or []))
@@ -85,7 +93,7 @@ def parse_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolPlan
         if name in names[:index]:
             raise bad(f"tools[{index}].function.name", f"{name!r} is given twice")
     choice, allowed = _resolve_choice(tool_choice, parsed)
-    return ToolPlan(parsed, choice, allowed, True if parallel is None else bool(parallel))
+    return ToolPlan(parsed, choice, allowed, True if parallel is None else bool(parallel), style)
 
 
 def _tool(index: int, item: Any) -> Tool:
@@ -148,6 +156,41 @@ def call_grammar(allowed: Sequence[Tool], lazy: bool, parallel: bool) -> str:
         )
     repeat = ' ("\\n" call)*' if parallel else ""
     return f'start: call{repeat}\ncall: "{CALL_OPEN}" {body}\n{rules}\n'
+
+
+LLAMA_OPEN = '{"name": '  # what starts a call in the Llama 3.x JSON form
+LLAMA_SEPARATOR = "; "
+
+
+def tool_style(template_source: str | None) -> str:
+    """The call format a chat template teaches: "llama3_json" when it renders tools and describes calls
+    with "parameters" but has no `<tool_call>` tag (Llama 3.1 / 3.2), else "hermes"."""
+    source = str(template_source or "")
+    if supports_tools(source) and CALL_OPEN not in source and '"parameters"' in source:
+        return "llama3_json"
+    return "hermes"
+
+
+def llama_grammar(allowed: Sequence[Tool], lazy: bool, parallel: bool) -> str:
+    """The Lark grammar of Llama 3.x JSON calls (`{"name": "f", "parameters": {...}}`, "; " between
+    parallel calls); `lazy`: free text until the model writes `{"name": ` ("auto")."""
+    functions = []
+    for index, tool in enumerate(allowed):
+        head = json.dumps(f'"{tool.name}", "parameters": ')
+        functions.append(f"fn_{index}: {head} %json{tool.schema_source}")
+    choices = " | ".join(f"fn_{i}" for i in range(len(allowed)))
+    rules = "\n".join(functions)
+    if lazy:
+        return (
+            "%llguidance {}\n"
+            f"start: call{'*' if parallel else '?'} free\n"
+            "free: FREE_TEXT\n"
+            "FREE_TEXT: /(.|\\n)*/\n"
+            f"trigger[lazy]: FREE_TEXT {json.dumps(LLAMA_OPEN)}\n"
+            f'call: trigger ({choices}) "}}"\n{rules}\n'
+        )
+    repeat = f" ({json.dumps(LLAMA_SEPARATOR)} call)*" if parallel else ""
+    return f'start: call{repeat}\ncall: {json.dumps(LLAMA_OPEN)} ({choices}) "}}"\n{rules}\n'
 
 
 def supports_tools(template_source: str | None) -> bool:

@@ -97,10 +97,12 @@ def test_json_schema_answers_validate_over_many_seeds(api: openai.OpenAI) -> Non
 
 
 def test_json_object_answers_are_objects(api: openai.OpenAI) -> None:
-    for seed in range(4):
+    """Any JSON object, sampled at T=0.7 (at T=1 the small model can ramble inside a free-form string
+    until max_tokens; the schema tests above run at T=1 with bounded strings)."""
+    for seed in range(6):
         answer = chat(
-        api,
-            model=MODEL, messages=ASK_PERSON, temperature=1.0, seed=seed, max_tokens=160,
+            api,
+            model=MODEL, messages=ASK_PERSON, temperature=0.7, seed=seed, max_tokens=200,
             response_format={"type": "json_object"},
         )
         choice = answer.choices[0]

@@ -45,6 +45,7 @@ from deterministic_inference.engine.engine_loop import (
     EngineLoop,
     StopCommand,
 )
+from deterministic_inference.engine.grammar import GrammarCompiler
 from deterministic_inference.engine.outputs import OutputAssembler, RequestOutput
 from deterministic_inference.engine.request_stream import (
     EngineNotReadyError,
@@ -98,6 +99,9 @@ class EngineInfo:
     tokenizer: Tokenizer  # read-only use from the event loop (tokenize, chat template, token texts)
     max_num_seqs: int
     limits: AdmissionLimits  # what a request must satisfy before it is submitted
+    # compiles structured-output constraints (thread-safe, cached): call it off the event loop, e.g.
+    # `await asyncio.to_thread(info.grammars.compile, spec)`, before submitting a constrained request
+    grammars: GrammarCompiler
 
 
 def encode_text(tokenizer: Tokenizer, text: str, param: str = "prompt") -> list[int]:
@@ -312,6 +316,7 @@ class AsyncEngine:
             tokenizer=engine.tokenizer,
             max_num_seqs=engine.config.max_num_seqs,
             limits=engine.limits,
+            grammars=engine.grammars,
         )
         self._stats = engine.stats()
         with self._lock:

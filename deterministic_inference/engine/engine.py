@@ -24,6 +24,8 @@ from deterministic_inference import fingerprint
 from deterministic_inference.config import EngineConfig
 from deterministic_inference.engine.admission import AdmissionLimits
 from deterministic_inference.engine.faults import FaultInjection
+from deterministic_inference.engine.grammar import GrammarCompiler
+from deterministic_inference.engine.grammar_state import SequenceGrammar
 from deterministic_inference.engine.kv_cache import KVCacheManager
 from deterministic_inference.engine.model_runner import ModelRunner
 from deterministic_inference.engine.outputs import OutputAssembler, RequestDelta, RequestOutput
@@ -117,6 +119,8 @@ class Engine:
         self.limits = AdmissionLimits(
             self.spec.vocab_size, self.max_model_len, config.kv_block_size, num_blocks
         )
+        # structured outputs: compiles each constraint once (thread-safe; the server calls it off-thread)
+        self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size)
         keep_freed_memory()
         release_freed_memory()  # whatever the load and the self-check left in the heap
         self.record_trace = record_trace
@@ -155,6 +159,8 @@ class Engine:
             self._next_auto_id += 1
         if request_id in self._parents or request_id in self._assembled:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use", param="request_id")
+        spec = params.structured_output
+        compiled = None if spec is None else self.grammars.compile(spec)  # cached: the server compiled it
         parent = ParentRequest(request_id, ids, params)
         for choice in range(params.n):
             text = SequenceState(
@@ -168,6 +174,7 @@ class Engine:
                 parent=parent,
                 choice_index=choice,
                 text=text,
+                grammar=None if compiled is None else SequenceGrammar(compiled, params.stop_token_ids),
             )
             self.scheduler.add(sequence)
         self._parents[request_id] = parent

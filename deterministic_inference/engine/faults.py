@@ -12,6 +12,9 @@ a fault that the operator did not configure at start-up. The value is comma-sepa
                               raises (that request alone must fail)
     fail_sample_token=T       sampling any row whose prompt contains token id T raises (the batched call
                               and that row alone: the other rows must keep their bits)
+    rotate_grammar_masks=1    NEGATIVE CONTROL of the grammar-mask invariance tests: each constrained
+                              row of a step is sampled with the NEXT constrained row's mask (a mask
+                              built from another row's state), which those tests must detect
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class FaultInjection:
     step_sleep: float = 0.0
     fail_detokenize_token: int | None = None
     fail_sample_token: int | None = None
+    rotate_grammar_masks: bool = False
 
     @classmethod
     def parse(cls, text: str) -> FaultInjection:
@@ -76,9 +80,11 @@ class FaultInjection:
         return tokenizer.incremental_decoder()
 
     def sample_fn(self) -> SampleFn | None:
-        """`sampler.sample`, raising whenever a row's prompt carries the marker token; None when off."""
+        """`sampler.sample`, raising whenever a row's prompt carries the marker token, and/or with the
+        constrained rows' masks rotated by one row; None when both are off."""
         marker = self.fail_sample_token
-        if marker is None:
+        rotate = self.rotate_grammar_masks
+        if marker is None and not rotate:
             return None
 
         def sample(
@@ -88,14 +94,26 @@ class FaultInjection:
             positions: list[int],
             past_tokens: list[list[int]],
             output_tokens: list[list[int]],
+            masks: list[torch.Tensor | None],
         ) -> sampler.SampleResult:
             pairs = zip(past_tokens, output_tokens, strict=True)
             prompts = (past[: len(past) - len(out)] for past, out in pairs)
-            if any(marker in prompt for prompt in prompts):
+            if marker is not None and any(marker in prompt for prompt in prompts):
                 raise InjectedFault("injected sampling fault")
-            return sampler.sample(logits, params, seeds, positions, past_tokens, output_tokens)
+            if rotate:
+                masks = _rotated(masks)
+            return sampler.sample(logits, params, seeds, positions, past_tokens, output_tokens, masks)
 
         return sample
+
+
+def _rotated(masks: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Each constrained row gets the next constrained row's mask (the last gets the first's)."""
+    constrained = [r for r, mask in enumerate(masks) if mask is not None]
+    rotated = list(masks)
+    for i, r in enumerate(constrained):
+        rotated[r] = masks[constrained[(i + 1) % len(constrained)]]
+    return rotated
 
 
 class _FailingDecoder(IncrementalDecoder):

@@ -104,12 +104,17 @@ def best_rows(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return _LOW32 - (best & _LOW32), exact
 
 
-def greedy_rows(block: torch.Tensor, ks: list[int]) -> list[RowResult | None]:
+def greedy_rows(
+    block: torch.Tensor, ks: list[int], allowed: torch.Tensor | None = None
+) -> list[RowResult | None]:
     """Plain greedy rows `block` [R, V] fp32 with top-logprob counts ks: each row's (token, logprob, k
     best), bitwise what `sampler._sample_row` gives it, or None where the batched search is not exact
     (the caller then uses `sampler._sample_row`). Every op below works on each row alone (see the module
     docstring). Rows asking for no top logprobs take one kernel pass (`portable.greedy_rows`: the same
-    token and logprob bits, without the row's other logprobs)."""
+    token and logprob bits, without the row's other logprobs). allowed: grammar masks [R, V] bool (the
+    token is the argmax of the masked row, logprobs stay those of the raw row), or None."""
+    if allowed is not None:
+        return _masked_greedy_rows(block, ks, allowed)
     if max(ks) == 0 and block.shape[1] > 0:
         found = portable.greedy_rows(block)
         if found is not None:
@@ -135,3 +140,24 @@ def greedy_rows(block: torch.Tensor, ks: list[int]) -> list[RowResult | None]:
             tokens.tolist(), token_logprobs.tolist(), tops, usable.tolist(), strict=True
         )
     ]
+
+
+def _masked_greedy_rows(block: torch.Tensor, ks: list[int], allowed: torch.Tensor) -> list[RowResult | None]:
+    """`greedy_rows` of constrained rows: the lowest-id argmax of each row with its disallowed tokens at
+    -inf (`sampler._pick`'s masked_fill, the same elementwise op), raw logprobs and top logprobs of the
+    unmasked row. Rows with NaN logits, or whose top-logprob search is not exact, give None."""
+    masked = block.masked_fill(~allowed, float("-inf"))  # [R, V]
+    logprobs = log_softmax_rows(block)  # [R, V], raw: before the mask
+    usable = ~torch.isnan(_block_maxima(block)).any(dim=1)  # [R]
+    tokens = _argmax_rows(masked, _block_maxima(masked))  # [R]
+    token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)  # [R]
+    k = max(ks)
+    tops: list[list[tuple[int, float]]] = [[] for _ in ks]
+    if k > 0:
+        ids, exact = best_rows(logprobs, k)  # [R, k], [R]
+        usable &= exact | torch.tensor([row_k == 0 for row_k in ks])
+        id_lists, value_lists = ids.tolist(), logprobs.gather(1, ids).tolist()
+        pairs = zip(id_lists, value_lists, ks, strict=True)
+        tops = [list(zip(i[:n], v[:n], strict=True)) for i, v, n in pairs]
+    found = zip(tokens.tolist(), token_logprobs.tolist(), tops, usable.tolist(), strict=True)
+    return [(token, value, top) if ok else None for token, value, top, ok in found]

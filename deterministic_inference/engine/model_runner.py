@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deterministic_inference.engine.grammar_state import MaskFiller
 from deterministic_inference.engine.kv_memory import lazy_kv_caches
 from deterministic_inference.engine.plan import StepPlan
 from deterministic_inference.model.llama import DecoderModel, LayerHook
@@ -69,6 +70,7 @@ class ModelRunner:
         spec = model.spec
         self.model = model
         self.sample_fn = sample_fn  # None = sampler.sample (tests may wrap it to inject faults)
+        self.masks = MaskFiller(spec.vocab_size)  # grammar masks, filled beside the forward pass
         self.block_size = block_size
         self.num_blocks = num_blocks
         dtype = model.numerics.dtype
@@ -102,10 +104,14 @@ class ModelRunner:
         self, plan: StepPlan, sequences: Mapping[str, Request], layer_hook: LayerHook | None = None
     ) -> ModelRunnerOutput:
         """One step's model work: the logits (`execute`), then the sampled tokens and prompt logprobs of
-        the plan's sequences (`step_sampling.sample_step`, which isolates per-sequence failures)."""
+        the plan's sequences (`step_sampling.sample_step`, which isolates per-sequence failures). The
+        grammar masks of constrained rows are filled in a worker thread while `execute` runs: they depend
+        only on tokens known before the step."""
         from deterministic_inference.engine.step_sampling import sample_step
 
-        return sample_step(plan, self.execute(plan, layer_hook), sequences, self.sample_fn)
+        pending = self.masks.start(plan, sequences)
+        logits = self.execute(plan, layer_hook)
+        return sample_step(plan, logits, sequences, self.sample_fn, pending)
 
     def execute(self, plan: StepPlan, layer_hook: LayerHook | None = None) -> list[torch.Tensor | None]:
         """Runs one step. Returns, per chunk in plan order, fp32 logits [rows, vocab] or None.

@@ -9,10 +9,14 @@ them back out of ids. The scheduler owns a sequence's `arrival`, `status`, `num_
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.engine.sequence_state import SequenceState
 from deterministic_inference.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from deterministic_inference.engine.grammar_state import SequenceGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -80,6 +84,7 @@ class Request:
         parent: ParentRequest | None = None,
         choice_index: int = 0,
         text: SequenceState | None = None,
+        grammar: SequenceGrammar | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError("prompt: must contain at least one token", param="prompt")
@@ -90,6 +95,7 @@ class Request:
         self.choice_index = choice_index
         self.parent.sequences.append(self)
         self.text = text  # detokenized text and stop strings; None = token-level stops only
+        self.grammar = grammar  # structured output: this sequence's own matcher; None = unconstrained
         self.arrival = -1  # assigned by Scheduler.add: 0, 1, 2, ... (ties everywhere break by it)
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params

@@ -23,17 +23,21 @@ RNG: the same (seed, position) gives the same token whatever else runs.
 Order of operations per row (documented choice, vLLM/HF semantics):
   1. penalties on the raw logits: repetition (HF: positive logits divided, negative multiplied) over
      prompt + output tokens; then frequency (count * f) and presence (p once) subtracted over output tokens;
+  1b. structured output: tokens the row's grammar mask disallows become -inf (the mask is the row's own,
+     a function of its grammar and its own tokens: `engine/grammar_state.py`);
   2. temperature 0: argmax, ties -> lowest id (filters cannot change the argmax);
   3. else logits / T, then top-k, then top-p (softmax over the top-k survivors, sorted by (-value, id)
      with a STABLE sort, keep the shortest prefix whose mass reaches top_p), then min-p (softmax over
      the survivors, keep p >= min_p * max p); ties always broken by token id;
   4. token = argmax over survivors of (value + gumbel noise), ties -> lowest id.
 
-Logprobs are "raw": log_softmax of the model's fp32 logits row, BEFORE penalties, temperature and
-filters (vLLM's "raw_logprobs"), always through `ops.portable.log_softmax_rows`, the one function that
-turns logits into logprobs (a trainer's forward pass calls it too, through the ops backend). Decode
-logprobs therefore equal, bitwise, the prompt logprobs of the same sequence scored in one prefill
-(`prompt_logprobs` uses the same row function): the RL contract.
+Logprobs are "raw": log_softmax of the model's fp32 logits row, BEFORE penalties, the grammar mask,
+temperature and filters (vLLM's "raw_logprobs"), always through `ops.portable.log_softmax_rows`, the one
+function that turns logits into logprobs (a trainer's forward pass calls it too, through the ops
+backend). Decode logprobs therefore equal, bitwise, the prompt logprobs of the same sequence scored in
+one prefill (`prompt_logprobs` uses the same row function): the RL contract. Constrained rows keep it on
+every path: their logprobs are the model's, not renormalized over the tokens the grammar allows, and
+top_logprobs may list tokens the grammar forbade (the chosen token is always an allowed one).
 
 Plain greedy rows take a batched path (`greedy_batch`), and seeded rows without penalties or min-p
 another (`seeded_batch`); both give every row the same bits as `_sample_row`, and rows they cannot prove
@@ -43,6 +47,7 @@ exact fall back to `_sample_row`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -245,10 +250,19 @@ def _filter(scaled: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor,
 
 
 def _pick(
-    raw: torch.Tensor, params: SamplingParams, seed: int, position: int, past: list[int], output: list[int]
+    raw: torch.Tensor,
+    params: SamplingParams,
+    seed: int,
+    position: int,
+    past: list[int],
+    output: list[int],
+    allowed: torch.Tensor | None = None,
 ) -> int:
-    """The token of one row (see the module docstring for the order of operations)."""
+    """The token of one row (see the module docstring for the order of operations); allowed: [V] bool
+    grammar mask or None."""
     logits = _apply_penalties(raw, params, past, output)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, -math.inf)
     if params.greedy:
         return _argmax_lowest(logits)
     ids, values = _filter(logits / params.temperature, params)
@@ -283,12 +297,18 @@ def _gumbel_argmax(ids: torch.Tensor, values: torch.Tensor, seed: int, position:
 
 
 def _sample_row(
-    row: torch.Tensor, params: SamplingParams, seed: int, position: int, past: list[int], output: list[int]
+    row: torch.Tensor,
+    params: SamplingParams,
+    seed: int,
+    position: int,
+    past: list[int],
+    output: list[int],
+    allowed: torch.Tensor | None = None,
 ) -> RowResult:
     """The per-row path (any params): the reference every other path of a row must match bit for bit."""
     raw = row.to(torch.float32).clone()
     logprobs = _row_logprobs(raw)
-    token = _pick(raw, params, seed, position, past, output)
+    token = _pick(raw, params, seed, position, past, output, allowed)
     return token, float(logprobs[token]), _top_pairs(logprobs, params.logprobs or 0)
 
 
@@ -310,10 +330,12 @@ def sample(
     positions: list[int],
     past_tokens: list[list[int]],
     output_tokens: list[list[int]],
+    masks: Sequence[torch.Tensor | None] | None = None,
 ) -> SampleResult:
     """One token per row of `logits` [R, V]. Row r uses only logits[r], params[r], seeds[r], positions[r]
     (the row's OUTPUT position, i.e. tokens generated so far), past_tokens[r] (prompt + output, for the
-    repetition penalty) and output_tokens[r]: its result is bitwise the same alone or in any batch.
+    repetition penalty), output_tokens[r] and masks[r] (its grammar's allowed tokens [V] bool, or None):
+    its result is bitwise the same alone or in any batch.
 
     Plain greedy rows (`greedy_batch`) and plain seeded rows (`seeded_batch`) go through batched paths,
     every other row (and any batched row whose exactness condition fails) through `_sample_row`; all give
@@ -329,26 +351,47 @@ def sample(
             "output_tokens": len(output_tokens),
         },
     )
+    row_masks: list[torch.Tensor | None] = list(masks) if masks is not None else [None] * logits.shape[0]
+    _check_batch(logits, {"masks": len(row_masks)})
     rows: list[RowResult | None] = [None] * logits.shape[0]
-    greedy = [r for r in range(logits.shape[0]) if plain_greedy(params[r], past_tokens[r], output_tokens[r])]
-    if greedy:
-        block = logits if len(greedy) == logits.shape[0] else logits[torch.tensor(greedy)]
-        batched = greedy_rows(block.to(torch.float32), [params[r].logprobs or 0 for r in greedy])
-        for r, row in zip(greedy, batched, strict=True):
-            rows[r] = row
+    _greedy_batches(logits, params, past_tokens, output_tokens, row_masks, rows)
     seeded = seeded_results(
-        logits, params, seeds, positions, past_tokens, output_tokens, (_gumbel_argmax, gumbel_at)
+        logits, params, seeds, positions, past_tokens, output_tokens, (_gumbel_argmax, gumbel_at), row_masks
     )
     for r, found in seeded.items():
         rows[r] = found
     result = SampleResult(token_ids=[], logprobs=[], top_logprobs=[])
     for r, row in enumerate(rows):
         if row is None:
-            row = _sample_row(logits[r], params[r], seeds[r], positions[r], past_tokens[r], output_tokens[r])
+            row = _sample_row(
+                logits[r], params[r], seeds[r], positions[r], past_tokens[r], output_tokens[r], row_masks[r]
+            )
         result.token_ids.append(row[0])
         result.logprobs.append(row[1])
         result.top_logprobs.append(row[2])
     return result
+
+
+def _greedy_batches(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    past_tokens: list[list[int]],
+    output_tokens: list[list[int]],
+    masks: list[torch.Tensor | None],
+    rows: list[RowResult | None],
+) -> None:
+    """The plain greedy rows through `greedy_rows`: unconstrained rows in one call, constrained rows
+    (with their masks) in another; each row's result depends on its own inputs only."""
+    greedy = [r for r in range(logits.shape[0]) if plain_greedy(params[r], past_tokens[r], output_tokens[r])]
+    for masked in (False, True):
+        group = [r for r in greedy if (masks[r] is not None) == masked]
+        if not group:
+            continue
+        block = logits if len(group) == logits.shape[0] else logits[torch.tensor(group)]
+        allowed = torch.stack([masks[r] for r in group]) if masked else None  # type: ignore[misc]
+        batched = greedy_rows(block.to(torch.float32), [params[r].logprobs or 0 for r in group], allowed)
+        for r, row in zip(group, batched, strict=True):
+            rows[r] = row
 
 
 def as_batch(rows: list[torch.Tensor]) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from deterministic_inference.engine.structured_spec import StructuredOutput
 from deterministic_inference.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # most top-k alternatives returned per position
@@ -40,6 +41,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k alternatives per output step (0..20); None = chosen token only
     prompt_logprobs: int | None = None  # top-k alternatives per prompt position (0..20); None = none
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutput | None = None  # grammar the output must follow; None = free text
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen to tuples so the params stay hashable.
@@ -49,6 +51,10 @@ class SamplingParams:
         self._validate_filters()
         self._validate_penalties()
         self._validate_stops()
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise InvalidRequestError(
+                "structured_output: must be a StructuredOutput (or None)", param="structured_output"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -200,13 +200,18 @@ def seeded_rows(
     positions: list[int],
     ks: list[int],
     gumbel: tuple[Picker, Noise],
+    allowed: torch.Tensor | None = None,
 ) -> list[RowResult | None]:
     """Rows `block` [R, V] fp32 that all qualify (`plain_seeded`) with the same temperature, top-k and
     top-p (`params`; top-logprob counts `ks` per row): each row's (token, logprob, k best), bitwise what
     `sampler._sample_row` gives it, or None where a row must take the per-row path (non-finite maximum,
-    NaN, or an inexact top-logprob search). `gumbel` is (`sampler._gumbel_argmax`, `sampler.gumbel_at`)."""
+    NaN, or an inexact top-logprob search). `gumbel` is (`sampler._gumbel_argmax`, `sampler.gumbel_at`).
+    allowed: grammar masks [R, V] bool or None; a disallowed token's scaled value is -inf, bitwise what
+    `sampler._pick` divides (-inf / T is -inf), and logprobs stay the raw row's."""
     logprobs = log_softmax_rows(block)  # [R, V], row r bitwise sampler._row_logprobs(block[r])
     scaled = block / params.temperature  # [R, V], row r bitwise block[r] / T (same scalar op)
+    if allowed is not None:
+        scaled = scaled.masked_fill(~allowed, -_INF)
     usable = torch.isfinite(block.amax(dim=1)) & torch.isfinite(scaled.amax(dim=1))  # [R]; NaN propagates
     k = max(ks)
     best = torch.zeros((block.shape[0], 0), dtype=torch.int64)  # [R, k]
@@ -235,18 +240,21 @@ def seeded_results(
     past_tokens: list[list[int]],
     output_tokens: list[list[int]],
     gumbel: tuple[Picker, Noise],
+    masks: list[torch.Tensor | None] | None = None,
 ) -> dict[int, RowResult]:
     """`sampler.sample`'s batched seeded rows: the qualifying rows of `logits` [R, V], grouped by
-    (temperature, top_p, top_k) and run through `seeded_rows`; row index -> result for every row the
-    batched path decided (the others take the per-row path). A row's result depends on its own inputs
-    only, so the grouping never changes a bit."""
-    groups: dict[tuple[float, float, int], list[int]] = {}
+    (temperature, top_p, top_k, constrained or not) and run through `seeded_rows`; row index -> result
+    for every row the batched path decided (the others take the per-row path). A row's result depends on
+    its own inputs only (its mask included), so the grouping never changes a bit."""
+    row_masks = masks if masks is not None else [None] * len(params)
+    groups: dict[tuple[float, float, int, bool], list[int]] = {}
     for r, row_params in enumerate(params):
         if plain_seeded(row_params, past_tokens[r], output_tokens[r]):
-            key = (row_params.temperature, row_params.top_p, row_params.top_k)
+            key = (row_params.temperature, row_params.top_p, row_params.top_k, row_masks[r] is not None)
             groups.setdefault(key, []).append(r)
     found: dict[int, RowResult] = {}
-    for group in groups.values():
+    for key, group in groups.items():
+        allowed = torch.stack([row_masks[r] for r in group]) if key[3] else None  # type: ignore[misc]
         block = logits[torch.tensor(group)].to(torch.float32)  # [G, V]
         batched = seeded_rows(
             block,
@@ -255,6 +263,7 @@ def seeded_results(
             [positions[r] for r in group],
             [params[r].logprobs or 0 for r in group],
             gumbel,
+            allowed,
         )
         found.update({r: row for r, row in zip(group, batched, strict=True) if row is not None})
     return found

@@ -5,6 +5,10 @@ are sampled again one at a time: the rows that succeed get exactly the bits they
 batch (the sampler is row-invariant: a row's result is a function of that row alone, see
 `engine/sampler.py`), and each row that still raises fails only its own sequence. Scoring prompt
 positions (`sampler.prompt_logprobs`) is per chunk, so a failure there is that sequence's alone too.
+
+Constrained rows: their grammar masks were filled beside the forward pass (`grammar_state.MaskFiller`);
+they are joined here, before sampling, and each row gets its own mask. A row whose mask could not be
+filled (its matcher failed) fails its own sequence and is not sampled.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from deterministic_inference.engine import sampler
+from deterministic_inference.engine.grammar_state import PendingMasks, StepMasks
 from deterministic_inference.engine.model_runner import ModelRunnerOutput, PromptLogprobs, SampledToken
 from deterministic_inference.engine.plan import ScheduledChunk, StepPlan
 from deterministic_inference.engine.request import Request
@@ -22,9 +27,18 @@ from deterministic_inference.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("detinf.engine")
 
-# sampler.sample's signature: (logits [R, V], params, seeds, positions, past tokens, output tokens)
+# sampler.sample's signature: (logits [R, V], params, seeds, positions, past tokens, output tokens,
+# grammar masks [V] bool or None per row)
 SampleFn = Callable[
-    [torch.Tensor, list[SamplingParams], list[int], list[int], list[list[int]], list[list[int]]],
+    [
+        torch.Tensor,
+        list[SamplingParams],
+        list[int],
+        list[int],
+        list[list[int]],
+        list[list[int]],
+        list[torch.Tensor | None],
+    ],
     sampler.SampleResult,
 ]
 
@@ -43,10 +57,13 @@ def sample_step(
     logits: list[torch.Tensor | None],
     sequences: Mapping[str, Request],
     sample_fn: SampleFn | None = None,
+    pending_masks: PendingMasks | None = None,
 ) -> ModelRunnerOutput:
     """Prompt logprobs of the chunks that asked for all rows, then one token for every chunk that ends
-    its sequence's known tokens (`chunk.sample`). logits: per chunk, [rows, V] fp32 or None."""
+    its sequence's known tokens (`chunk.sample`). logits: per chunk, [rows, V] fp32 or None.
+    pending_masks: the step's grammar masks being filled (joined here), None without constrained rows."""
     out = ModelRunnerOutput()
+    masks = _join_masks(pending_masks, out)
     rows: list[torch.Tensor] = []
     sampled: list[Request] = []
     for chunk, chunk_logits in zip(plan.chunks, logits, strict=True):
@@ -57,12 +74,30 @@ def sample_step(
             rows.append(chunk_logits[-1])  # [V]
             sampled.append(sequence)
     if rows:
-        _sample_rows(rows, sampled, sample_fn or sampler.sample, out)
+        _sample_rows(rows, sampled, sample_fn or sampler.sample, out, masks)
     return out
 
 
+def _join_masks(pending: PendingMasks | None, out: ModelRunnerOutput) -> StepMasks:
+    """The step's masks; rows whose mask failed are recorded as their sequences' failures."""
+    if pending is None:
+        return StepMasks()
+    masks = pending.result()
+    for sequence_id, reason in masks.failures.items():
+        logger.error("sequence %s failed while applying its grammar: %s", sequence_id, reason)
+        out.failures[sequence_id] = (
+            f"the request failed inside the engine while applying its grammar ({reason}); "
+            "other requests were not affected"
+        )
+    return masks
+
+
 def _sample_rows(
-    rows: list[torch.Tensor], sequences: list[Request], sample_fn: SampleFn, out: ModelRunnerOutput
+    rows: list[torch.Tensor],
+    sequences: list[Request],
+    sample_fn: SampleFn,
+    out: ModelRunnerOutput,
+    masks: StepMasks,
 ) -> None:
     try:
         result = sample_fn(
@@ -72,6 +107,7 @@ def _sample_rows(
             [len(s.output_token_ids) for s in sequences],
             [s.all_token_ids for s in sequences],
             [s.output_token_ids for s in sequences],
+            [masks.allowed.get(s.request_id) for s in sequences],
         )
     except Exception as error:  # noqa: BLE001 - confined to the rows' own sequences below
         if len(rows) == 1:
@@ -80,7 +116,7 @@ def _sample_rows(
             )
             return
         for row, sequence in zip(rows, sequences, strict=True):
-            _sample_rows([row], [sequence], sample_fn, out)
+            _sample_rows([row], [sequence], sample_fn, out, masks)
         return
     for i, sequence in enumerate(sequences):
         out.sampled[sequence.request_id] = SampledToken(

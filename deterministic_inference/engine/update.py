@@ -2,11 +2,13 @@
 sequences, check stops, finish, and build the step's per-request deltas.
 
 Per sequence, in plan order: store newly scored prompt logprobs (on the parent request), append the
-sampled token, register newly full KV blocks, push the token's text, check stops (EOS, stop token ids,
-stop strings, length), finish and free. Anything that raises for one sequence here (its detokenization,
-its stop check) or that the runner reported as that sequence's failure ends that request alone with
-FINISHED_ERROR (siblings aborted, KV freed); other sequences are not touched, so their bits are those
-they would have had anyway. Deltas are built after all sequences are updated, in first-touched order.
+sampled token, feed it to the sequence's grammar matcher (structured outputs), register newly full KV
+blocks, push the token's text, check stops (EOS, stop token ids, stop strings, a grammar that can take
+no further token: "stop", length), finish and free. Anything that raises for one sequence here (its
+detokenization, its grammar, its stop check) or that the runner reported as that sequence's failure
+ends that request alone with FINISHED_ERROR (siblings aborted, KV freed); other sequences are not
+touched, so their bits are those they would have had anyway. Deltas are built after all sequences are
+updated, in first-touched order.
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ class StepUpdate:
         token = self.output.sampled[sequence_id]  # a missing token is an engine bug: let it raise
         request.output_token_ids.append(token.token_id)
         self.scheduler.kv.commit_full_blocks(request)
+        if request.grammar is not None:
+            try:
+                request.grammar.accept(token.token_id, self._ending_ids(request))
+            except Exception as error:  # noqa: BLE001 - this sequence's failure alone
+                message = failure_message(sequence_id, "checking its token against its grammar", error)
+                self._fail(request, message)
+                return
         try:
             text = self._advance(request, token.token_id)
         except Exception as error:  # noqa: BLE001 - this sequence's failure alone
@@ -75,6 +84,13 @@ class StepUpdate:
             )
         return deltas
 
+    def _ending_ids(self, request: Request) -> tuple[int, ...]:
+        """Token ids that end the sequence as soon as sampled (EOS unless ignore_eos, stop token ids):
+        the grammar allows them only while accepting, and they are not part of its language."""
+        params = request.params
+        eos = () if params.ignore_eos else self.scheduler.eos_token_ids
+        return eos + params.stop_token_ids
+
     def _advance(self, request: Request, token_id: int) -> str:
         """Push the token's text, apply the first stop that matches, return the newly visible text."""
         state = request.text
@@ -89,6 +105,8 @@ class StepUpdate:
             request.stop_reason, status = token_id, RequestStatus.FINISHED_STOPPED
         elif state is not None and (stop := state.match_stop(previous_length)) is not None:
             request.stop_reason, status = stop, RequestStatus.FINISHED_STOPPED
+        elif request.grammar is not None and request.grammar.is_stopped:
+            request.stop_reason, status = None, RequestStatus.FINISHED_STOPPED
         elif (
             len(request.output_token_ids) >= params.max_tokens
             or request.num_tokens >= self.scheduler.max_model_len

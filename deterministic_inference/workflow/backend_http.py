@@ -21,12 +21,14 @@ import httpx
 from deterministic_inference import fingerprint
 from deterministic_inference.errors import WorkflowError
 from deterministic_inference.workflow.backend_engine import BackendResult
+from deterministic_inference.workflow.progress import Progress
 
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 
 
-def run_http(manifest: dict[str, Any], base_url: str, requests: list[dict[str, Any]]) -> BackendResult:
-    """Send every request to the endpoint and collect the sequences."""
+def run_http(manifest: dict[str, Any], base_url: str, requests: list[dict[str, Any]],
+             progress: Progress | None = None) -> BackendResult:
+    """Send every request to the endpoint and collect the sequences (`progress` counts each answer)."""
     execution = manifest["runtime"]["execution"]
     captures = manifest["capture"]
     top_k = captures["logits"]["top_k"] if captures["logits"]["enabled"] else 0
@@ -40,7 +42,7 @@ def run_http(manifest: dict[str, Any], base_url: str, requests: list[dict[str, A
         model = _served_model(client, wanted, warnings)
         workers = max(1, int(manifest["inference"]["batching"]["concurrency"]))
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            responses = list(pool.map(lambda r: _post(client, r, model, top_k), requests))
+            responses = list(pool.map(lambda r: _counted(_post(client, r, model, top_k), progress), requests))
     finished = time.perf_counter()
     sequences: list[dict[str, Any]] = []
     fingerprints: set[str] = set()
@@ -91,6 +93,14 @@ def _post(client: httpx.Client, request: dict[str, Any], model: str, top_k: int)
         )
     document: dict[str, Any] = response.json()
     return document
+
+
+def _counted(response: dict[str, Any], progress: Progress | None) -> dict[str, Any]:
+    if progress is not None:
+        usage = response.get("usage")
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        progress(1, tokens if isinstance(tokens, int) else 0)
+    return response
 
 
 def _body(request: dict[str, Any], model: str, top_k: int) -> dict[str, Any]:

@@ -25,8 +25,11 @@ from deterministic_inference.errors import WorkflowError
 from deterministic_inference.workflow import artifacts, capture, closure, dataset, network
 from deterministic_inference.workflow.backend_engine import BackendResult
 from deterministic_inference.workflow.canonical import run_id as compute_run_id
+from deterministic_inference.workflow.checkpoint import Checkpoint
 from deterministic_inference.workflow.lock import check_lock_for, load_lock
 from deterministic_inference.workflow.manifest import GPU_BACKENDS, Manifest, load_manifest
+from deterministic_inference.workflow.progress import Progress
+from deterministic_inference.workflow.resume import checkpoint_log, open_checkpoint
 from deterministic_inference.workflow.rundir import json_bytes, write_run_dir
 
 
@@ -40,6 +43,8 @@ class RunOptions:
     lock_path: Path | None = None  # default: next to the manifest
     ray_address: str | None = None  # split the requests over Ray actors (``local``: a local instance)
     shards: int | None = None  # how many (default scaleout.shards.DEFAULT_SHARDS)
+    resume: bool = False  # continue from the checkpoint an interrupted run left beside the target
+    quiet: bool = False  # no progress on stderr
 
 
 @dataclass(frozen=True)
@@ -78,16 +83,52 @@ def run_manifest(path: Path, options: RunOptions, log: TextIO | None = None) -> 
             raise WorkflowError(f"--base-url {base_url}: network_policy offline_required allows "
                                 "only loopback endpoints; set runtime.network_policy to online_allowed")
     _check_ray_options(options, backend, offline)
-    with applied_env(data["runtime"]["env"]), network.offline_guard() if offline else nullcontext():
-        result = _execute(backend, base_url, prepared, options, out)
+    keeps_checkpoint = backend == "embedded" and options.ray_address is None
+    if options.resume and not keeps_checkpoint:
+        raise WorkflowError("--resume: checkpoints are kept for embedded-engine runs only (not --base-url, "
+                            "an openai_compatible backend or --ray-address); run again without --resume")
+    planned = _planned_target(prepared, options)
+    stored = open_checkpoint(planned, prepared, options.resume, out) if keeps_checkpoint else None
+    progress = Progress("run", len(prepared.requests), out, enabled=not options.quiet)
+    try:
+        with applied_env(data["runtime"]["env"]), network.offline_guard() if offline else nullcontext():
+            result = _execute(backend, base_url, prepared, options, out, stored, progress)
+    except BaseException:
+        if stored is not None:
+            stored.remove() if stored.created and not stored.segments else stored.close()
+        raise
+    finally:
+        progress.close()
     for warning in result.warnings:
         print(f"warning: {warning}", file=out)
     run = compute_run_id(manifest.manifest_id, prepared.lock["lock_id"], prepared.requests_digest,
                          result.fingerprint["hardware"])
-    target = options.output_dir or _template_dir(data["outputs"]["directory"], manifest.name, run)
-    files = _documents(prepared, result, options, backend, base_url, offline, started)
+    target = planned if options.output_dir or run == _local_run_id(prepared) else _template_dir(
+        data["outputs"]["directory"], manifest.name, run)
+    files = _documents(prepared, result, options, backend, base_url, offline, started, stored)
     bundle = _bundle_record(prepared, result, run)
-    return write_run_dir(target, files, bundle)
+    published = write_run_dir(target, files, bundle)
+    if stored is not None:
+        stored.remove()
+    return published
+
+
+def _local_run_id(prepared: Prepared) -> str:
+    """The run id of an embedded run on this machine (its hardware digest is this CPU's)."""
+    hardware = fingerprint.digest(fingerprint.hardware_fingerprint())
+    return compute_run_id(prepared.manifest.manifest_id, prepared.lock["lock_id"], prepared.requests_digest,
+                          hardware)
+
+
+def _planned_target(prepared: Prepared, options: RunOptions) -> Path:
+    """The run directory, known before generating (for the checkpoint beside it); refuses an existing one."""
+    if options.output_dir is not None:
+        if options.output_dir.exists():
+            raise WorkflowError(f"{options.output_dir}: already exists; choose another --output-dir or "
+                                "remove it")
+        return options.output_dir
+    manifest = prepared.manifest
+    return _template_dir(manifest.data["outputs"]["directory"], manifest.name, _local_run_id(prepared))
 
 
 def prepare(manifest: Manifest, options: RunOptions, out: TextIO) -> Prepared:
@@ -187,12 +228,12 @@ def _check_ray_options(options: RunOptions, backend: str, offline: bool) -> None
 
 
 def _execute(backend: str, base_url: str | None, prepared: Prepared, options: RunOptions,
-             out: TextIO) -> BackendResult:
+             out: TextIO, stored: Checkpoint | None, progress: Progress) -> BackendResult:
     data = prepared.manifest.data
     if backend == "openai_compatible":
         from deterministic_inference.workflow.backend_http import run_http
 
-        return run_http(data, str(base_url), prepared.requests)
+        return run_http(data, str(base_url), prepared.requests, progress)
     if prepared.location.root is None:
         raise WorkflowError("$.model.source: a remote model needs --base-url (backend openai_compatible)")
     if options.ray_address is not None:
@@ -204,7 +245,7 @@ def _execute(backend: str, base_url: str | None, prepared: Prepared, options: Ru
                            DEFAULT_SHARDS if options.shards is None else options.shards, out)
     from deterministic_inference.workflow.backend_engine import run_embedded
 
-    return run_embedded(data, prepared.location, prepared.requests, prepared.locked_files)
+    return run_embedded(data, prepared.location, prepared.requests, prepared.locked_files, stored, progress)
 
 
 def _template_dir(template: str, name: str, run: str) -> Path:
@@ -219,7 +260,8 @@ def _template_dir(template: str, name: str, run: str) -> Path:
 
 
 def _documents(prepared: Prepared, result: BackendResult, options: RunOptions, backend: str,
-               base_url: str | None, offline: bool, started: str) -> dict[str, bytes]:
+               base_url: str | None, offline: bool, started: str, stored: Checkpoint | None
+               ) -> dict[str, bytes]:
     data = prepared.manifest.data
     tokens = {"schema_version": 1, "sequences": [
         {key: value for key, value in item.items() if key not in ("token_logprobs", "top_logprobs")}
@@ -229,7 +271,8 @@ def _documents(prepared: Prepared, result: BackendResult, options: RunOptions, b
         "lock.used.json": json_bytes(prepared.lock),
         "requests.json": json_bytes(prepared.requests, compact=True),
         "tokens.json": json_bytes(tokens, compact=True),
-        "run_log.json": json_bytes(_run_log(prepared, result, options, backend, base_url, offline, started)),
+        "run_log.json": json_bytes(_run_log(prepared, result, options, backend, base_url, offline, started)
+                                   | checkpoint_log(stored)),
     }
     if data["capture"]["logits"]["enabled"]:
         top_k = data["capture"]["logits"]["top_k"]

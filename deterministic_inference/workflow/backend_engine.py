@@ -40,6 +40,7 @@ class BackendResult:
     warnings: list[str] = field(default_factory=list)
     shards: list[dict[str, Any]] | None = None  # sharded runs: each shard's requests, attempts, hardware
     hardware: dict[str, Any] | None = None  # the hardware class the engines ran on, when not this process's
+    retries: list[dict[str, Any]] | None = None  # remote runs: every retried request (`retry`)
 
 
 def sampling_params_for(request: dict[str, Any], logprobs: int | None) -> Any:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TextIO
 
 import httpx
 
@@ -22,13 +23,16 @@ from deterministic_inference import fingerprint
 from deterministic_inference.errors import WorkflowError
 from deterministic_inference.workflow.backend_engine import BackendResult
 from deterministic_inference.workflow.progress import Progress
+from deterministic_inference.workflow.retry import RetryLog, RetryPolicy, send_with_retries
 
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 
 
 def run_http(manifest: dict[str, Any], base_url: str, requests: list[dict[str, Any]],
-             progress: Progress | None = None) -> BackendResult:
-    """Send every request to the endpoint and collect the sequences (`progress` counts each answer)."""
+             progress: Progress | None = None, log: TextIO | None = None,
+             policy: RetryPolicy | None = None) -> BackendResult:
+    """Send every request to the endpoint, retrying transient failures (`retry`), and collect the
+    sequences (`progress` counts each answer, `log` gets a line per retry)."""
     execution = manifest["runtime"]["execution"]
     captures = manifest["capture"]
     top_k = captures["logits"]["top_k"] if captures["logits"]["enabled"] else 0
@@ -37,12 +41,17 @@ def run_http(manifest: dict[str, Any], base_url: str, requests: list[dict[str, A
     if root.endswith("/v1"):
         root = root[: -len("/v1")]
     warnings: list[str] = []
+    retries, policy = RetryLog(log), policy or RetryPolicy()
     with httpx.Client(base_url=root, timeout=float(execution["timeout_seconds"]), trust_env=False) as client:
         wanted = execution.get("model") or manifest["model"]["source"].get("name")
-        model = _served_model(client, wanted, warnings)
+        model = _served_model(client, wanted, warnings, lambda: send_with_retries(
+            lambda: client.get("/v1/models"), "GET /v1/models", policy, retries, f"{client.base_url}"))
         workers = max(1, int(manifest["inference"]["batching"]["concurrency"]))
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            responses = list(pool.map(lambda r: _counted(_post(client, r, model, top_k), progress), requests))
+            responses = list(pool.map(
+                lambda r: _counted(r, _post(client, r, model, top_k, policy, retries), progress, retries),
+                requests))
+    retries.check()
     finished = time.perf_counter()
     sequences: list[dict[str, Any]] = []
     fingerprints: set[str] = set()
@@ -58,13 +67,15 @@ def run_http(manifest: dict[str, Any], base_url: str, requests: list[dict[str, A
         system_fingerprint=",".join(sorted(fingerprints)) or "unknown",
         batch_trace=[{"concurrency": workers, "request_order": [r["request_id"] for r in requests]}],
         timings={"load_seconds": 0.0, "generate_seconds": finished - started}, warnings=warnings,
+        retries=retries.events,
     )
 
 
-def _served_model(client: httpx.Client, wanted: str | None, warnings: list[str]) -> str:
+def _served_model(client: httpx.Client, wanted: str | None, warnings: list[str],
+                  list_models: Callable[[], httpx.Response]) -> str:
     """The model name to send: the manifest's if the endpoint serves it, else the endpoint's first model."""
     try:
-        listing = client.get("/v1/models")
+        listing = list_models()
         listing.raise_for_status()
         served = [str(item.get("id")) for item in listing.json().get("data", []) if isinstance(item, dict)]
     except (httpx.HTTPError, ValueError) as error:
@@ -78,24 +89,28 @@ def _served_model(client: httpx.Client, wanted: str | None, warnings: list[str])
     return served[0]
 
 
-def _post(client: httpx.Client, request: dict[str, Any], model: str, top_k: int) -> dict[str, Any]:
+def _post(client: httpx.Client, request: dict[str, Any], model: str, top_k: int, policy: RetryPolicy,
+          retries: RetryLog) -> dict[str, Any]:
     body = _body(request, model, top_k)
     path = "/v1/chat/completions" if request["kind"] == "chat" else "/v1/completions"
-    try:
-        response = client.post(path, json=body)
-    except httpx.HTTPError as error:
-        raise WorkflowError(f"{client.base_url}{path}: request {request['request_id']} failed: "
-                            f"{error}") from None
+    response = send_with_retries(lambda: client.post(path, json=body), request["request_id"], policy,
+                                 retries, f"{client.base_url}{path}")
     if response.status_code != 200:
         raise WorkflowError(
             f"{client.base_url}{path}: request {request['request_id']} got HTTP {response.status_code}: "
             f"{response.text[:300]}"
         )
-    document: dict[str, Any] = response.json()
+    try:
+        document: dict[str, Any] = response.json()
+    except ValueError:
+        raise WorkflowError(f"{client.base_url}{path}: request {request['request_id']} got an answer that "
+                            "is not JSON; check --base-url") from None
     return document
 
 
-def _counted(response: dict[str, Any], progress: Progress | None) -> dict[str, Any]:
+def _counted(request: dict[str, Any], response: dict[str, Any], progress: Progress | None,
+             retries: RetryLog) -> dict[str, Any]:
+    retries.answered(request["request_id"], response.get("system_fingerprint"))
     if progress is not None:
         usage = response.get("usage")
         tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None

@@ -233,7 +233,7 @@ def _execute(backend: str, base_url: str | None, prepared: Prepared, options: Ru
     if backend == "openai_compatible":
         from deterministic_inference.workflow.backend_http import run_http
 
-        return run_http(data, str(base_url), prepared.requests, progress)
+        return run_http(data, str(base_url), prepared.requests, progress, out)
     if prepared.location.root is None:
         raise WorkflowError("$.model.source: a remote model needs --base-url (backend openai_compatible)")
     if options.ray_address is not None:
@@ -296,6 +296,7 @@ def _run_log(prepared: Prepared, result: BackendResult, options: RunOptions, bac
         "cli_overrides": {"base_url": options.base_url, "output_dir": str(options.output_dir or "") or None,
                           "verify_artifact_digests": options.verify_artifact_digests},
         **({"ray_address": options.ray_address, "shards": result.shards} if result.shards else {}),
+        **({"retries": result.retries} if result.retries is not None else {}),
         "batch_trace": result.batch_trace,
         "determinism_controls": {
             "engine": data["engine"], "batching": data["inference"]["batching"],

@@ -44,8 +44,9 @@ from deterministic_inference.workflow.canonical import (
 CHECKPOINT_PREFIX = ".detinf-ckpt-"
 RECORDS_FILE = "records.log"
 KIND = "detinf.checkpoint"
-# Test hook, not a user setting: "N:POINT" makes the process SIGKILL itself while appending segment
-# record N (1-based, counted over the whole file) at POINT: mid_record, before_fsync or after_fsync.
+# Test hook, not a user setting: "N:POINT[:ONCE_FILE]" makes the process SIGKILL itself while appending
+# segment record N (1-based, counted over the whole file) at POINT: mid_record, before_fsync or
+# after_fsync. With ONCE_FILE, only a process that creates that file fires (so one kill in all).
 TEST_KILL_HOOK = "DETINF_TEST_HOOK_CHECKPOINT_KILL"
 KILL_POINTS = ("mid_record", "before_fsync", "after_fsync")
 
@@ -188,10 +189,19 @@ def _kill_point(record: dict[str, Any], segment_number: int) -> str | None:
     hook = os.environ.get(TEST_KILL_HOOK)
     if not hook or record.get("type") != "segment":
         return None
-    number, _, point = hook.partition(":")
+    number, _, rest = hook.partition(":")
+    point, _, once_file = rest.partition(":")
     if point not in KILL_POINTS or not number.isdigit():
-        raise WorkflowError(f"{TEST_KILL_HOOK}={hook}: expected N:POINT with POINT one of {KILL_POINTS}")
-    return point if int(number) == segment_number else None
+        raise WorkflowError(f"{TEST_KILL_HOOK}={hook}: expected N:POINT[:ONCE_FILE] with POINT one of "
+                            f"{KILL_POINTS}")
+    if int(number) != segment_number:
+        return None
+    if once_file:
+        try:
+            os.close(os.open(once_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return None
+    return point
 
 
 def _write_synced(path: Path, data: bytes) -> None:
@@ -221,20 +231,18 @@ def _lock_file(path: Path) -> int:
     return descriptor
 
 
-def create(target: Path, header: dict[str, Any]) -> Checkpoint:
-    """A new, empty checkpoint for `target` holding only its header (durably)."""
-    folder = checkpoint_dir(target)
+def create(folder: Path, header: dict[str, Any]) -> Checkpoint:
+    """A new, empty checkpoint in `folder` holding only its header (durably)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)
     _write_synced(folder / RECORDS_FILE, encode_record(dict(header, kind=KIND, type="header",
                                                             created_at=now())))
     _sync_dir(folder.parent)
     return Checkpoint(folder, header, created=True, _descriptor=_lock_file(folder / RECORDS_FILE))
 
 
-def open_existing(target: Path) -> tuple[Checkpoint, bool]:
-    """The checkpoint of `target`, locked, its torn last record truncated away; and whether one was."""
-    folder = checkpoint_dir(target)
+def open_existing(folder: Path) -> tuple[Checkpoint, bool]:
+    """The checkpoint in `folder`, locked, its torn last record truncated away; and whether one was."""
     records_path = folder / RECORDS_FILE
     if not records_path.is_file():
         raise WorkflowError(f"checkpoint {folder}: has no {RECORDS_FILE}; remove {folder} to start over")
@@ -269,18 +277,19 @@ def count_requests(checkpoint: Checkpoint) -> int:
 
 # Header fields a resume must match, in the order they are checked (the first that differs is named).
 IDENTITY = (("model_files", "model files"), ("manifest_id", "manifest"), ("lock_id", "lock"),
-            ("dataset_digest", "prompt dataset"), ("requests_digest", "requests"))
+            ("dataset_digest", "prompt dataset"), ("shard", "shard"), ("requests_digest", "requests"))
 
 
-def check_identity(checkpoint: Checkpoint, header: dict[str, Any]) -> None:
-    """Refuse, naming the first difference, a checkpoint made for other inputs than this run's."""
+def check_identity(folder: Path, made_for: dict[str, Any], header: dict[str, Any]) -> None:
+    """Refuse, naming the first difference, a checkpoint (header `made_for`) made for other inputs than
+    this run's (`header`)."""
     for key, label in IDENTITY:
-        made_with, now = checkpoint.header.get(key), header[key]
+        made_with, now = made_for.get(key), header.get(key)
         if canonical_bytes(made_with) == canonical_bytes(now):
             continue
         if key == "model_files":
             made_with, now = digest_json(made_with), digest_json(now)
-        raise WorkflowError(f"--resume: the checkpoint at {checkpoint.path} was made with {label} "
+        raise WorkflowError(f"--resume: the checkpoint at {folder} was made with {label} "
                             f"{made_with}, this run has {now}; restore the {label} it was made with, "
-                            f"or remove {checkpoint.path} to start over")
+                            f"or remove {folder} to start over")
 

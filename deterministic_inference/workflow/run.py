@@ -29,7 +29,14 @@ from deterministic_inference.workflow.checkpoint import Checkpoint
 from deterministic_inference.workflow.lock import check_lock_for, load_lock
 from deterministic_inference.workflow.manifest import GPU_BACKENDS, Manifest, load_manifest
 from deterministic_inference.workflow.progress import Progress
-from deterministic_inference.workflow.resume import checkpoint_log, open_checkpoint
+from deterministic_inference.workflow.resume import (
+    check_sharded,
+    checkpoint_log,
+    discard,
+    identity,
+    open_checkpoint,
+    sharded_checkpoint_log,
+)
 from deterministic_inference.workflow.rundir import json_bytes, write_run_dir
 
 
@@ -83,19 +90,25 @@ def run_manifest(path: Path, options: RunOptions, log: TextIO | None = None) -> 
             raise WorkflowError(f"--base-url {base_url}: network_policy offline_required allows "
                                 "only loopback endpoints; set runtime.network_policy to online_allowed")
     _check_ray_options(options, backend, offline)
-    keeps_checkpoint = backend == "embedded" and options.ray_address is None
+    keeps_checkpoint = backend == "embedded"
     if options.resume and not keeps_checkpoint:
-        raise WorkflowError("--resume: checkpoints are kept for embedded-engine runs only (not --base-url, "
-                            "an openai_compatible backend or --ray-address); run again without --resume")
+        raise WorkflowError("--resume: checkpoints are kept for embedded-engine runs only (not --base-url or "
+                            "an openai_compatible backend); run again without --resume")
     planned = _planned_target(prepared, options)
-    stored = open_checkpoint(planned, prepared, options.resume, out) if keeps_checkpoint else None
+    stored, folder = None, None
+    if keeps_checkpoint and options.ray_address is None:
+        stored = open_checkpoint(planned, prepared, options.resume, out)
+    elif keeps_checkpoint:
+        folder = check_sharded(planned, identity(prepared), options.resume, out)
     progress = Progress("run", len(prepared.requests), out, enabled=not options.quiet)
     try:
         with applied_env(data["runtime"]["env"]), network.offline_guard() if offline else nullcontext():
-            result = _execute(backend, base_url, prepared, options, out, stored, progress)
+            result = _execute(backend, base_url, prepared, options, out, (stored, folder), progress)
     except BaseException:
         if stored is not None:
             stored.remove() if stored.created and not stored.segments else stored.close()
+        if folder is not None:
+            discard(folder, only_if_empty=True)
         raise
     finally:
         progress.close()
@@ -105,11 +118,14 @@ def run_manifest(path: Path, options: RunOptions, log: TextIO | None = None) -> 
                          result.fingerprint["hardware"])
     target = planned if options.output_dir or run == _local_run_id(prepared) else _template_dir(
         data["outputs"]["directory"], manifest.name, run)
-    files = _documents(prepared, result, options, backend, base_url, offline, started, stored)
+    checkpoint_section = checkpoint_log(stored) if folder is None else sharded_checkpoint_log(folder)
+    files = _documents(prepared, result, options, backend, base_url, offline, started, checkpoint_section)
     bundle = _bundle_record(prepared, result, run)
     published = write_run_dir(target, files, bundle)
     if stored is not None:
         stored.remove()
+    if folder is not None:
+        discard(folder, only_if_empty=False)
     return published
 
 
@@ -228,7 +244,8 @@ def _check_ray_options(options: RunOptions, backend: str, offline: bool) -> None
 
 
 def _execute(backend: str, base_url: str | None, prepared: Prepared, options: RunOptions,
-             out: TextIO, stored: Checkpoint | None, progress: Progress) -> BackendResult:
+             out: TextIO, checkpoints: tuple[Checkpoint | None, Path | None], progress: Progress
+             ) -> BackendResult:
     data = prepared.manifest.data
     if backend == "openai_compatible":
         from deterministic_inference.workflow.backend_http import run_http
@@ -241,11 +258,14 @@ def _execute(backend: str, base_url: str | None, prepared: Prepared, options: Ru
 
         digests = [entry["digest"] for entry in prepared.lock["model"]["files"]]
         locked = (prepared.locked_files, digests if options.verify_artifact_digests else [])
-        return run_sharded(data, prepared.location, prepared.requests, locked, options.ray_address,
-                           DEFAULT_SHARDS if options.shards is None else options.shards, out)
+        shards = DEFAULT_SHARDS if options.shards is None else options.shards
+        folder = checkpoints[1]
+        return run_sharded(data, prepared.location, prepared.requests, locked, options.ray_address, shards,
+                           out, None if folder is None else (folder, identity(prepared)))
     from deterministic_inference.workflow.backend_engine import run_embedded
 
-    return run_embedded(data, prepared.location, prepared.requests, prepared.locked_files, stored, progress)
+    return run_embedded(data, prepared.location, prepared.requests, prepared.locked_files, checkpoints[0],
+                        progress)
 
 
 def _template_dir(template: str, name: str, run: str) -> Path:
@@ -260,7 +280,7 @@ def _template_dir(template: str, name: str, run: str) -> Path:
 
 
 def _documents(prepared: Prepared, result: BackendResult, options: RunOptions, backend: str,
-               base_url: str | None, offline: bool, started: str, stored: Checkpoint | None
+               base_url: str | None, offline: bool, started: str, checkpoint_section: dict[str, Any]
                ) -> dict[str, bytes]:
     data = prepared.manifest.data
     tokens = {"schema_version": 1, "sequences": [
@@ -272,7 +292,7 @@ def _documents(prepared: Prepared, result: BackendResult, options: RunOptions, b
         "requests.json": json_bytes(prepared.requests, compact=True),
         "tokens.json": json_bytes(tokens, compact=True),
         "run_log.json": json_bytes(_run_log(prepared, result, options, backend, base_url, offline, started)
-                                   | checkpoint_log(stored)),
+                                   | checkpoint_section),
     }
     if data["capture"]["logits"]["enabled"]:
         top_k = data["capture"]["logits"]["top_k"]

@@ -15,7 +15,7 @@ HEADER = {"manifest_id": "sha256:" + "a" * 64}
 
 def _with_segments(tmp_path: Path, count: int) -> Path:
     target = tmp_path / "run"
-    stored = checkpoint.create(target, HEADER)
+    stored = checkpoint.create(checkpoint.checkpoint_dir(target), HEADER)
     for index in range(count):
         stored.add_segment({"index": index, "request_ids": [f"r{index}"], "value": 0.1 + index}, None)
     stored.close()
@@ -35,7 +35,7 @@ def test_a_torn_last_record_is_dropped_and_truncated(tmp_path: Path, cut: int) -
     whole = records.read_bytes()
     last_start = whole.rstrip(b"\n").rfind(b"\n") + 1
     records.write_bytes(whole[: last_start + cut] if cut > 0 else whole[:cut])
-    stored, torn = checkpoint.open_existing(tmp_path / "run")
+    stored, torn = checkpoint.open_existing(checkpoint.checkpoint_dir(tmp_path / "run"))
     stored.close()
     assert torn and sorted(stored.segments) == [0]
     assert records.read_bytes() == whole[:last_start]
@@ -56,10 +56,10 @@ def test_a_bad_last_line_with_its_newline_is_dropped_but_damage_before_it_is_ref
 
 def test_engine_fingerprint_is_bound_and_a_different_one_refused(tmp_path: Path) -> None:
     target = tmp_path / "run"
-    stored = checkpoint.create(target, HEADER)
+    stored = checkpoint.create(checkpoint.checkpoint_dir(target), HEADER)
     stored.bind_engine({"model": "sha256:1"}, "fp-1")
     stored.close()
-    reopened, _ = checkpoint.open_existing(target)
+    reopened, _ = checkpoint.open_existing(checkpoint.checkpoint_dir(target))
     reopened.bind_engine({"model": "sha256:1"}, "fp-1")
     with pytest.raises(WorkflowError, match="was made with engine fingerprint fp-1, this engine has fp-2"):
         reopened.bind_engine({"model": "sha256:2"}, "fp-2")
@@ -68,9 +68,9 @@ def test_engine_fingerprint_is_bound_and_a_different_one_refused(tmp_path: Path)
 
 def test_a_second_writer_is_refused(tmp_path: Path) -> None:
     target = tmp_path / "run"
-    first = checkpoint.create(target, HEADER)
+    first = checkpoint.create(checkpoint.checkpoint_dir(target), HEADER)
     with pytest.raises(WorkflowError, match="another detinf run is writing it"):
-        checkpoint.open_existing(target)
+        checkpoint.open_existing(checkpoint.checkpoint_dir(target))
     first.close()
-    second, _ = checkpoint.open_existing(target)
+    second, _ = checkpoint.open_existing(checkpoint.checkpoint_dir(target))
     second.close()

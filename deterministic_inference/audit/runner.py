@@ -30,6 +30,7 @@ async def audit(
                 if out is not None:
                     print(summary_line(case), file=out, flush=True)
         model = client.model
+        retries = client.retries.events
     return {
         "format": REPORT_FORMAT,
         "base_url": endpoint.base_url,
@@ -40,6 +41,7 @@ async def audit(
         "compare_logprobs": endpoint.logprobs,
         "seconds": round(time.monotonic() - started, 3),
         "passed": all(case.passed for case in cases),
+        "retries": retries,
         "cases": [describe(case) for case in cases],
     }
 

@@ -13,10 +13,11 @@ runs into one, so the run stops and says so.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -86,25 +87,61 @@ def send_with_retries(send: Callable[[], httpx.Response], request_id: str, polic
     attempt = 0
     while True:
         attempt += 1
-        retry_after = None
         try:
             response = send()
-        except _FINAL_TRANSPORT_ERRORS as error:
-            raise WorkflowError(f"{where}: request {request_id} timed out ({type(error).__name__}); "
-                                "raise runtime.execution.timeout_seconds") from None
         except httpx.TransportError as error:
-            reason = f"{type(error).__name__}: {error}"[:200]
+            failure = _transport_failure(error, request_id, where)
         else:
-            if response.status_code not in RETRY_STATUSES:
+            status_failure = _status_failure(response)
+            if status_failure is None:
                 return response
-            reason = f"HTTP {response.status_code}"
-            retry_after = _retry_after(response)
-        if attempt >= policy.attempts:
-            raise WorkflowError(f"{where}: request {request_id} failed {attempt} times, last: {reason}; "
-                                "the endpoint is not answering, no run directory was written")
-        wait = policy.delay(attempt, retry_after)
-        log.record(request_id, attempt, reason, wait)
-        sleep(wait)
+            failure = status_failure
+        sleep(_next_wait(failure, attempt, request_id, policy, log, where))
+
+
+async def send_with_retries_async(send: Callable[[], Awaitable[httpx.Response]], request_id: str,
+                                  policy: RetryPolicy, log: RetryLog, where: str) -> httpx.Response:
+    """`send_with_retries` for an async client."""
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            response = await send()
+        except httpx.TransportError as error:
+            failure = _transport_failure(error, request_id, where)
+        else:
+            status_failure = _status_failure(response)
+            if status_failure is None:
+                return response
+            failure = status_failure
+        await asyncio.sleep(_next_wait(failure, attempt, request_id, policy, log, where))
+
+
+def _transport_failure(error: httpx.TransportError, request_id: str, where: str) -> tuple[str, float | None]:
+    """(reason, no Retry-After) of a connection failure; raises for a timeout, which is final."""
+    if isinstance(error, _FINAL_TRANSPORT_ERRORS):
+        raise WorkflowError(f"{where}: request {request_id} timed out ({type(error).__name__}); "
+                            "raise the timeout")
+    return f"{type(error).__name__}: {error}"[:200], None
+
+
+def _status_failure(response: httpx.Response) -> tuple[str, float | None] | None:
+    """(reason, Retry-After) of a retryable status, None for an answer."""
+    if response.status_code not in RETRY_STATUSES:
+        return None
+    return f"HTTP {response.status_code}", _retry_after(response)
+
+
+def _next_wait(failure: tuple[str, float | None], attempt: int, request_id: str,
+               policy: RetryPolicy, log: RetryLog, where: str) -> float:
+    """The wait before the next attempt, after logging it; raises when the attempts are used up."""
+    reason, retry_after = failure
+    if attempt >= policy.attempts:
+        raise WorkflowError(f"{where}: request {request_id} failed {attempt} times, last: {reason}; "
+                            "the endpoint is not answering")
+    wait = policy.delay(attempt, retry_after)
+    log.record(request_id, attempt, reason, wait)
+    return wait
 
 
 def _retry_after(response: httpx.Response) -> float | None:

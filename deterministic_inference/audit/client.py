@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from deterministic_inference.errors import DetinfError
+from deterministic_inference.workflow.progress import Progress
 from deterministic_inference.workflow.retry import RetryLog, RetryPolicy, send_with_retries_async
 
 RESET_PATHS = ("/flush_cache", "/reset_prefix_cache")  # SGLang's (and detinf's), vLLM's
@@ -94,6 +95,7 @@ class AuditClient:
         self._reset_path: str | None = None  # the prefix-cache reset endpoint that answered
         self.retries = RetryLog(sys.stderr)  # every retried request (`workflow.retry`), for the report
         self.policy = RetryPolicy()
+        self.progress: Progress | None = None  # counts each answered request (stderr)
 
     async def __aenter__(self) -> AuditClient:
         await self._discover()
@@ -205,6 +207,9 @@ class AuditClient:
         if not isinstance(data, dict) or not data.get("choices"):
             raise AuditError(f"POST {path} answered without choices: {response.text[:300]}")
         self.retries.answered(f"POST {path}", data.get("system_fingerprint"))
+        if self.progress is not None:
+            tokens = (data.get("usage") or {}).get("completion_tokens")
+            self.progress(1, tokens if isinstance(tokens, int) else 0)
         return data
 
 

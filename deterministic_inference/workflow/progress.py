@@ -24,9 +24,10 @@ def _clock_text(seconds: float | None) -> str:
 
 
 class Progress:
-    """A thread-safe progress reporter; call it with (requests finished, tokens generated)."""
+    """A thread-safe progress reporter; call it with (requests finished, tokens generated). A `total` of
+    None (work whose size is not known in advance, as an audit's) shows counts and rate without an ETA."""
 
-    def __init__(self, label: str, total: int, stream: TextIO, enabled: bool = True,
+    def __init__(self, label: str, total: int | None, stream: TextIO, enabled: bool = True,
                  interval: float = PLAIN_INTERVAL_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.label, self.total, self.stream, self.enabled = label, total, stream, enabled
@@ -82,13 +83,15 @@ class Progress:
     def eta(self) -> float | None:
         """Seconds left at this process's request rate, or None before its first request."""
         measured = self.done - self.resumed
-        if measured <= 0:
+        if measured <= 0 or self.total is None:
             return None
         elapsed = self.clock() - self._started
         return (self.total - self.done) * elapsed / measured
 
     def line(self) -> str:
         """The plain progress line."""
+        if self.total is None:
+            return f"{self.label}: {self.done} requests, {self.tokens} tokens, {self.rate():.1f} tokens/s"
         return (f"{self.label}: {self.done}/{self.total} requests, {self.tokens} tokens, "
                 f"{self.rate():.1f} tokens/s, ETA {_clock_text(self.eta())}")
 

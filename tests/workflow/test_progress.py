@@ -101,3 +101,11 @@ def test_quiet_turns_progress_off(tiny_manifest: Path, tmp_path: Path) -> None:
                             text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "requests" not in result.stderr and result.stdout == f"wrote {target}\n"
+
+
+def test_work_of_unknown_size_shows_counts_and_rate_without_eta() -> None:
+    clock, stream = FakeClock(), io.StringIO()
+    progress = Progress("audit", None, stream, interval=1.0, clock=clock)
+    clock.now += 2.0
+    progress(4, 40)
+    assert stream.getvalue() == "audit: 4 requests, 40 tokens, 20.0 tokens/s\n"

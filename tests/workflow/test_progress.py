@@ -109,3 +109,25 @@ def test_work_of_unknown_size_shows_counts_and_rate_without_eta() -> None:
     clock.now += 2.0
     progress(4, 40)
     assert stream.getvalue() == "audit: 4 requests, 40 tokens, 20.0 tokens/s\n"
+
+
+def test_verify_and_bundle_show_progress_on_large_files(tiny_manifest: Path, tmp_path: Path) -> None:
+    """A run directory with a large capture (the real run's files plus a 40 MiB one, sealed as `run`
+    seals them): verify and bundle report hashing it on stderr, stdout keeps their result lines."""
+    from deterministic_inference.workflow.rundir import REQUIRED_FILES, write_run_dir
+    from tests.workflow.helpers import detinf, read_json
+
+    assert detinf("run", "--config", tiny_manifest, "--output-dir", tmp_path / "small").code == 0
+    files = {name: (tmp_path / "small" / name).read_bytes() for name in REQUIRED_FILES}
+    files["captures/big.bin"] = bytes(range(256)) * (40 << 12)  # 40 MiB
+    bundle = {k: v for k, v in read_json(tmp_path / "small" / "bundle.json").items()
+              if k not in ("files", "bundle_digest", "complete")}
+    large = write_run_dir(tmp_path / "large", files, bundle)
+    for args in (["verify", "--bundle-a", str(large), "--bundle-b", str(large), "--output-dir",
+                  str(tmp_path / "report")],
+                 ["bundle", "--run-dir", str(large), "--output", str(tmp_path / "large.tar.gz")]):
+        result = subprocess.run([sys.executable, "-m", "deterministic_inference", *args], env=_env(),
+                                capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert result.returncode == 0, result.stderr
+        assert "hashing captures/big.bin (40 MiB)" in result.stderr
+        assert "hashing" not in result.stdout

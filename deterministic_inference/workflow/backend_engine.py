@@ -109,6 +109,8 @@ def run_embedded(
     if checkpoint is not None:
         checkpoint.bind_engine(engine.fingerprint, engine.system_fingerprint)
     loaded = time.perf_counter()
+    if progress is not None:
+        progress.begin()
     report: ProgressHook = progress if progress is not None else (lambda requests_done, tokens: None)
     top_k = manifest["capture"]["logits"]["top_k"] if manifest["capture"]["logits"]["enabled"] else None
 

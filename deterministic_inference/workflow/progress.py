@@ -53,6 +53,11 @@ class Progress:
         self._task = self._bar.add_task(self.label, total=self.total, rate="")
         self._bar.start()
 
+    def begin(self) -> None:
+        """Start measuring the rate now (after loading, so the load time does not count)."""
+        with self._lock:
+            self._started = self._last_line = self.clock()
+
     def skip(self, requests: int, tokens: int) -> None:
         """Count work done by an earlier process (read back from a checkpoint)."""
         with self._lock:

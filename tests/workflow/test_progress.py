@@ -29,6 +29,8 @@ class FakeClock:
 def test_plain_lines_every_interval_with_rate_and_eta() -> None:
     clock, stream = FakeClock(), io.StringIO()
     progress = Progress("run", 10, stream, interval=5.0, clock=clock)
+    clock.now += 60.0  # loading the engine: not in the rate
+    progress.begin()
     progress.skip(2, 999)  # read back from a checkpoint: done, but not in the rate
     clock.now += 2.0
     progress(1, 20)

@@ -50,6 +50,7 @@ class RetryLog:
     stream: TextIO | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
     fingerprints: list[str] = field(default_factory=list)  # in order of first appearance
+    resumed: bool = False  # answers of a killed run were read back: they count as one run with the new
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, request_id: str, attempt: int, reason: str, wait: float) -> None:
@@ -73,11 +74,12 @@ class RetryLog:
 
     def check(self) -> None:
         """Refuse a run whose answers carry more than one fingerprint once a retry happened."""
-        if self.events and len(self.fingerprints) > 1:
+        if (self.events or self.resumed) and len(self.fingerprints) > 1:
             raise WorkflowError(f"the endpoint's system_fingerprint changed during the run "
                                 f"({self.fingerprints[0]}, then {self.fingerprints[1]}) while requests "
-                                "were retried: it restarted with other weights or software, so the answers "
-                                "are not one run's; no run directory was written, run again")
+                                "were retried or the run resumed: it restarted with other weights or "
+                                "software, so the answers are not one run's; no run directory was written, "
+                                "run again")
 
 
 def send_with_retries(send: Callable[[], httpx.Response], request_id: str, policy: RetryPolicy,

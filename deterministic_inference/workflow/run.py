@@ -90,15 +90,11 @@ def run_manifest(path: Path, options: RunOptions, log: TextIO | None = None) -> 
             raise WorkflowError(f"--base-url {base_url}: network_policy offline_required allows "
                                 "only loopback endpoints; set runtime.network_policy to online_allowed")
     _check_ray_options(options, backend, offline)
-    keeps_checkpoint = backend == "embedded"
-    if options.resume and not keeps_checkpoint:
-        raise WorkflowError("--resume: checkpoints are kept for embedded-engine runs only (not --base-url or "
-                            "an openai_compatible backend); run again without --resume")
     planned = _planned_target(prepared, options)
     stored, folder = None, None
-    if keeps_checkpoint and options.ray_address is None:
+    if options.ray_address is None:  # embedded: one record per group; endpoint: one per answer
         stored = open_checkpoint(planned, prepared, options.resume, out)
-    elif keeps_checkpoint:
+    else:  # sharded: one checkpoint per shard
         folder = check_sharded(planned, identity(prepared), options.resume, out)
     progress = Progress("run", len(prepared.requests), out, enabled=not options.quiet)
     try:
@@ -250,7 +246,7 @@ def _execute(backend: str, base_url: str | None, prepared: Prepared, options: Ru
     if backend == "openai_compatible":
         from deterministic_inference.workflow.backend_http import run_http
 
-        return run_http(data, str(base_url), prepared.requests, progress, out)
+        return run_http(data, str(base_url), prepared.requests, progress, out, checkpoint=checkpoints[0])
     if prepared.location.root is None:
         raise WorkflowError("$.model.source: a remote model needs --base-url (backend openai_compatible)")
     if options.ray_address is not None:

@@ -97,5 +97,40 @@ def test_negative_control_without_retries_the_same_endpoint_fails_the_run(
 
     prepared = prepare(load_manifest(remote_manifest), RunOptions(), io.StringIO())
     with flaky_endpoint(server.base_url, SCRIPT) as endpoint, \
-            pytest.raises(WorkflowError, match="failed 1 times, last: HTTP 503"):
+            pytest.raises(WorkflowError, match="failed 1 times, last: (HTTP 503|RemoteProtocolError)"):
         run_http(prepared.manifest.data, endpoint.base_url, prepared.requests, policy=RetryPolicy(attempts=1))
+
+
+@pytest.mark.parametrize(("hook", "done"), [("2:after_fsync", 2), ("3:mid_record", 2)])
+def test_a_killed_endpoint_run_resumes_without_asking_again(remote_manifest: Path, server: RunningServer,
+                                                            tmp_path: Path, hook: str, done: int) -> None:
+    """Answers are kept as they arrive; a SIGKILLed run resumed asks only for the missing ones and
+    writes the clean run's bytes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from deterministic_inference.workflow import checkpoint
+
+    clean = detinf("run", "--config", remote_manifest, "--base-url", server.base_url,
+                   "--output-dir", tmp_path / "clean")
+    assert clean.code == 0, clean.err
+    target = tmp_path / "killed"
+    root = Path(__file__).resolve().parents[2]
+    killed = subprocess.run(
+        [sys.executable, "-m", "deterministic_inference", "run", "--config", str(remote_manifest),
+         "--base-url", server.base_url, "--output-dir", str(target)],
+        env={**os.environ, "PYTHONPATH": str(root), checkpoint.TEST_KILL_HOOK: hook},
+        capture_output=True, text=True, timeout=600, cwd=root)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    with flaky_endpoint(server.base_url, []) as endpoint:
+        resumed = detinf("run", "--config", remote_manifest, "--base-url", endpoint.base_url,
+                         "--output-dir", target, "--resume")
+    assert resumed.code == 0, resumed.err
+    assert f"{done}/4 requests done" in resumed.err
+    assert sum(endpoint.delivered.values()) == 4 - done  # only the missing answers were asked for
+    for name in ("tokens.json", "requests.json", "captures/logits.json"):
+        assert (target / name).read_bytes() == (tmp_path / "clean" / name).read_bytes(), name
+    (event,) = read_json(target / "run_log.json")["checkpoint"]["resumes"]
+    assert event["requests_done"] == done

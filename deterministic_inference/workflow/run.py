@@ -5,7 +5,8 @@ the lock belongs to this manifest, hardware constraints, the prompt dataset's di
 digest (skipped with ``--no-verify-artifact-digests``), the runtime closure against the lock (a warning,
 or a refusal under ``runtime.closure_policy: enforce``). Then the requests run with ``runtime.env``
 applied and, under ``network_policy: offline_required``, inside `network.offline_guard`. The run
-directory is published atomically (see `rundir`). The run id is
+directory is published atomically (see `rundir`); what finishes before that is kept in a checkpoint
+beside it, which ``--resume`` continues (`resume`, `checkpoint`, `segments`). The run id is
 ``sha256(manifest_id + lock_id + requests_digest + hardware digest)``.
 """
 

@@ -49,6 +49,8 @@ def register_audit(subparsers: Any) -> None:
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     parser.add_argument("--json", type=Path, default=None, help="write the JSON report here")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress on stderr (requests answered, tokens/s)")
     parser.set_defaults(func=run_audit)
 
 
@@ -80,7 +82,10 @@ def run_audit(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
     )
     modes = list(MODES) if args.mode == "all" else [args.mode]
-    report = run(endpoint, modes, settings, sys.stdout)
+    from deterministic_inference.workflow.progress import Progress
+
+    progress = Progress("audit", None, sys.stderr, enabled=not args.quiet)
+    report = run(endpoint, modes, settings, sys.stdout, progress)
     if args.json is not None:
         write_report(report, args.json)
     verdict = "PASSED" if report["passed"] else "FAILED"

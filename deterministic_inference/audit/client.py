@@ -8,17 +8,20 @@ bit makes a different sample).
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import hashlib
 import json
+import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from deterministic_inference.errors import DetinfError
+from deterministic_inference.workflow.progress import Progress
+from deterministic_inference.workflow.retry import RetryLog, RetryPolicy, send_with_retries_async
 
-MAX_RETRIES_429 = 20
 RESET_PATHS = ("/flush_cache", "/reset_prefix_cache")  # SGLang's (and detinf's), vLLM's
 
 
@@ -90,6 +93,9 @@ class AuditClient:
         self.model = endpoint.model or ""
         self.max_model_len: int | None = None
         self._reset_path: str | None = None  # the prefix-cache reset endpoint that answered
+        self.retries = RetryLog(sys.stderr)  # every retried request (`workflow.retry`), for the report
+        self.policy = RetryPolicy()
+        self.progress: Progress | None = None  # counts each answered request (stderr)
 
     async def __aenter__(self) -> AuditClient:
         await self._discover()
@@ -188,10 +194,7 @@ class AuditClient:
         that answered is remembered for the next call."""
         paths = [self._reset_path] if self._reset_path else list(RESET_PATHS)
         for path in paths:
-            try:
-                response = await self._http.post(self.endpoint.root + path)
-            except httpx.HTTPError as error:
-                raise AuditError(f"POST {path} failed: {error}") from None
+            response = await self._send(path, functools.partial(self._http.post, self.endpoint.root + path))
             if response.status_code in (404, 405):
                 continue
             if response.status_code >= 400:
@@ -200,29 +203,30 @@ class AuditClient:
             return True
         return False
 
+    async def _send(self, path: str, send: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
+        """`send` retried on transient failures (`workflow.retry`)."""
+        try:
+            return await send_with_retries_async(send, f"POST {path}", self.policy, self.retries,
+                                                 self.endpoint.api_base)
+        except httpx.HTTPError as error:
+            raise AuditError(f"POST {path} failed: {type(error).__name__}: {error}") from None
+
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        for _ in range(MAX_RETRIES_429):
-            try:
-                response = await self._http.post(self.endpoint.api_base + path, json=body)
-            except httpx.HTTPError as error:
-                raise AuditError(f"POST {path} failed: {type(error).__name__}: {error}") from None
-            if response.status_code == 429:
-                await asyncio.sleep(_retry_after(response))
-                continue
-            if response.status_code != 200:
-                raise AuditError(f"POST {path} answered {response.status_code}: {response.text[:300]}")
+        url = self.endpoint.api_base + path
+        response = await self._send(path, lambda: self._http.post(url, json=body))
+        if response.status_code != 200:
+            raise AuditError(f"POST {path} answered {response.status_code}: {response.text[:300]}")
+        try:
             data = response.json()
-            if not isinstance(data, dict) or not data.get("choices"):
-                raise AuditError(f"POST {path} answered without choices: {response.text[:300]}")
-            return data
-        raise AuditError(f"POST {path}: still 429 after {MAX_RETRIES_429} retries")
-
-
-def _retry_after(response: httpx.Response) -> float:
-    try:
-        return min(max(float(response.headers.get("Retry-After", "1")), 0.05), 10.0)
-    except ValueError:
-        return 1.0
+        except ValueError:
+            raise AuditError(f"POST {path} answered with no JSON: {response.text[:300]}") from None
+        if not isinstance(data, dict) or not data.get("choices"):
+            raise AuditError(f"POST {path} answered without choices: {response.text[:300]}")
+        self.retries.answered(f"POST {path}", data.get("system_fingerprint"))
+        if self.progress is not None:
+            tokens = (data.get("usage") or {}).get("completion_tokens")
+            self.progress(1, tokens if isinstance(tokens, int) else 0)
+        return data
 
 
 def _meta(data: dict[str, Any]) -> dict[str, Any]:

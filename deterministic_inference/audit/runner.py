@@ -12,24 +12,29 @@ from typing import Any, TextIO
 
 from deterministic_inference.audit.client import AuditClient, Endpoint
 from deterministic_inference.audit.modes import AuditSettings, Case, describe, run_mode
+from deterministic_inference.workflow.progress import Progress
 
 REPORT_FORMAT = "detinf-audit/1"
 
 
 async def audit(
-    endpoint: Endpoint, modes: Sequence[str], settings: AuditSettings, out: TextIO | None = None
+    endpoint: Endpoint, modes: Sequence[str], settings: AuditSettings, out: TextIO | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Run `modes` in order; print one summary line per case to `out`; return the JSON report."""
+    """Run `modes` in order; print one summary line per case to `out` (and requests answered so far to
+    `progress`); return the JSON report."""
     cases: list[Case] = []
     started = time.monotonic()
     concurrency = max(settings.concurrency, settings.seeds, 8)
     async with AuditClient(endpoint, concurrency) as client:
+        client.progress = progress
         for mode in modes:
             for case in await run_mode(mode, client, settings):
                 cases.append(case)
                 if out is not None:
                     print(summary_line(case), file=out, flush=True)
         model = client.model
+        retries = client.retries.events
     return {
         "format": REPORT_FORMAT,
         "base_url": endpoint.base_url,
@@ -40,15 +45,21 @@ async def audit(
         "compare_logprobs": endpoint.logprobs,
         "seconds": round(time.monotonic() - started, 3),
         "passed": all(case.passed for case in cases),
+        "retries": retries,
         "cases": [describe(case) for case in cases],
     }
 
 
 def run(
-    endpoint: Endpoint, modes: Sequence[str], settings: AuditSettings, out: TextIO | None = None
+    endpoint: Endpoint, modes: Sequence[str], settings: AuditSettings, out: TextIO | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Synchronous wrapper of `audit` (its own event loop)."""
-    return asyncio.run(audit(endpoint, modes, settings, out))
+    try:
+        return asyncio.run(audit(endpoint, modes, settings, out, progress))
+    finally:
+        if progress is not None:
+            progress.close()
 
 
 def summary_line(case: Case) -> str:

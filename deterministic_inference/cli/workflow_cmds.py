@@ -177,6 +177,11 @@ def _run(subparsers: Any) -> None:
                         help="split the requests over Ray actors on this cluster (host:port of its GCS, or "
                         "`local` for a local instance on loopback); same run directory as one process")
     parser.add_argument("--shards", type=int, default=None, help="with --ray-address: how many (default 2)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the interrupted run of this run directory from its checkpoint "
+                        "(same manifest, lock, dataset and engine); the result is the uninterrupted run's")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress on stderr (requests done/total, tokens/s, ETA)")
     parser.set_defaults(func=cmd_run)
 
 
@@ -186,7 +191,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     options = RunOptions(output_dir=args.output_dir, base_url=args.base_url,
                          verify_artifact_digests=not args.no_verify_artifact_digests, lock_path=args.lock,
-                         ray_address=args.ray_address, shards=args.shards)
+                         ray_address=args.ray_address, shards=args.shards, resume=args.resume,
+                         quiet=args.quiet)
     run_dir = run_manifest(args.config, options)
     print(f"wrote {run_dir}")
     return _golden_check(run_dir, args.config.parent)

@@ -12,6 +12,10 @@ Failures: a shard whose actor dies (worker killed, node lost) or raises is run a
 actor; a second failure fails the run before anything is written (the run directory is only published
 after every shard succeeded). `run_log.json` records each shard's requests, attempts, worker and
 hardware fingerprint.
+
+Checkpoints: each shard's worker keeps its finished groups in its own checkpoint
+(`workflow.resume.shard_folder`), so a shard run again, by the retry above or by `run --resume` after
+the whole run was killed, continues from it and gives the same bits (see `workflow.segments`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class ShardJob:
     requests: list[dict[str, Any]]
     locked_files: list[Path]
     locked_digests: list[str]  # checked again on the worker's node when non-empty
+    checkpoint_folder: Path | None = None  # this shard's checkpoint (`workflow.resume.shard_folder`)
+    checkpoint_header: dict[str, Any] | None = None  # what it is made for (`workflow.resume.shard_identity`)
 
 
 @dataclass
@@ -86,8 +92,17 @@ class ShardWorker:
             artifacts.check_digest(path, expected, "model file")
         runtime = job.manifest["runtime"]
         offline = runtime["network_policy"] == "offline_required"
-        with applied_env(runtime["env"]), network.offline_guard() if offline else nullcontext():
-            return run_embedded(job.manifest, job.location, job.requests, job.locked_files)
+        stored = None
+        if job.checkpoint_folder is not None and job.checkpoint_header is not None:
+            from deterministic_inference.workflow.resume import open_for
+
+            stored = open_for(job.checkpoint_folder, job.checkpoint_header)
+        try:
+            with applied_env(runtime["env"]), network.offline_guard() if offline else nullcontext():
+                return run_embedded(job.manifest, job.location, job.requests, job.locked_files, stored)
+        finally:
+            if stored is not None:
+                stored.close()
 
 
 def split(requests: Sequence[dict[str, Any]], shards: int) -> list[list[dict[str, Any]]]:
@@ -110,8 +125,10 @@ def run_sharded(
     ray_address: str,
     shards: int,
     log: TextIO,
+    checkpoint: tuple[Path, dict[str, Any]] | None = None,
 ) -> BackendResult:
-    """Run the requests over `shards` Ray actors (see the module docstring); the merged result."""
+    """Run the requests over `shards` Ray actors (see the module docstring); the merged result. With
+    `checkpoint` (the run's checkpoint folder and header), each shard keeps and continues its own."""
     if shards < 1:
         raise WorkflowError(f"--shards: {shards} must be >= 1")
     import ray
@@ -122,8 +139,9 @@ def run_sharded(
     connected = cluster.connect(ray_address, shards * threads)
     try:
         worker_class = ray.remote(num_cpus=threads, max_restarts=0, max_task_retries=0)(ShardWorker)
-        jobs = [ShardJob(i, manifest, location, part, locked[0], locked[1])
-                for i, part in enumerate(split(requests, shards))]
+        slices = split(requests, shards)
+        jobs = [_job(i, manifest, location, part, locked, checkpoint, len(slices))
+                for i, part in enumerate(slices)]
         records = [ShardRecord(job.index, [r["request_id"] for r in job.requests]) for job in jobs]
         started = time.perf_counter()
         results = _run_jobs(worker_class, jobs, records, log)
@@ -132,6 +150,18 @@ def run_sharded(
         if connected:
             cluster.disconnect()
     return merge(results, records, wall)
+
+
+def _job(index: int, manifest: dict[str, Any], location: ModelLocation, part: list[dict[str, Any]],
+         locked: tuple[list[Path], list[str]], checkpoint: tuple[Path, dict[str, Any]] | None,
+         shards: int) -> ShardJob:
+    if checkpoint is None:
+        return ShardJob(index, manifest, location, part, locked[0], locked[1])
+    from deterministic_inference.workflow.resume import shard_folder, shard_identity
+
+    header = shard_identity(checkpoint[1], index, shards, part)
+    return ShardJob(index, manifest, location, part, locked[0], locked[1], shard_folder(checkpoint[0], index),
+                    header)
 
 
 def _run_jobs(worker_class: Any, jobs: list[ShardJob], records: list[ShardRecord],

@@ -10,6 +10,18 @@ from typing import Any
 from deterministic_inference.errors import WorkflowError
 from deterministic_inference.workflow import capture, constraints
 from deterministic_inference.workflow.artifacts import ModelLocation
+from deterministic_inference.workflow.checkpoint import Checkpoint
+from deterministic_inference.workflow.progress import Progress
+from deterministic_inference.workflow.segments import (
+    ProgressHook,
+    Segment,
+    joined_activations,
+    joined_tensors,
+    joined_trace,
+    run_segment,
+    segment_from_record,
+    submission_groups,
+)
 
 
 @dataclass
@@ -28,6 +40,7 @@ class BackendResult:
     warnings: list[str] = field(default_factory=list)
     shards: list[dict[str, Any]] | None = None  # sharded runs: each shard's requests, attempts, hardware
     hardware: dict[str, Any] | None = None  # the hardware class the engines ran on, when not this process's
+    retries: list[dict[str, Any]] | None = None  # remote runs: every retried request (`retry`)
 
 
 def sampling_params_for(request: dict[str, Any], logprobs: int | None) -> Any:
@@ -83,47 +96,70 @@ def run_embedded(
     location: ModelLocation,
     requests: list[dict[str, Any]],
     locked_files: list[Path],
+    checkpoint: Checkpoint | None = None,
+    progress: Progress | None = None,
 ) -> BackendResult:
-    """Load the engine, check it read only locked files, run every request, collect captures."""
+    """Load the engine, check it read only locked files, run every submission group (`segments`),
+    collect captures. With a `checkpoint`, groups it holds are read back instead of run, and each group
+    run here is appended to it before the next starts; the result is the same bits either way."""
     from deterministic_inference.engine.engine import Engine
 
     started = time.perf_counter()
     engine = Engine(engine_config_for(manifest, location), record_trace=True)
     _check_loaded_files(engine.model_artifacts, locked_files)
     constraints.compile_all(engine.grammars, requests)
+    if checkpoint is not None:
+        checkpoint.bind_engine(engine.fingerprint, engine.system_fingerprint)
     loaded = time.perf_counter()
-    captures = manifest["capture"]
-    recorder = None
-    if captures["activations"]["enabled"]:
-        recorder = capture.ActivationRecorder(keep_tensors=captures["activations"]["full_tensors"])
-    top_k = captures["logits"]["top_k"] if captures["logits"]["enabled"] else None
-    groups = _submission_groups(requests, manifest["inference"]["batching"]["policy"])
-    finals: dict[str, Any] = {}
-    for group in groups:
-        for request in group:
-            engine.add_request(
-                _prompt_for(engine, request),
-                sampling_params_for(request, top_k),
-                request_id=request["request_id"],
-            )
-        while engine.has_unfinished:
-            for output in engine.step(recorder):
-                finals[output.request_id] = output
-        for request in group:
-            engine.release(request["request_id"])
+    if progress is not None:
+        progress.begin()
+    report: ProgressHook = progress if progress is not None else (lambda requests_done, tokens: None)
+    top_k = manifest["capture"]["logits"]["top_k"] if manifest["capture"]["logits"]["enabled"] else None
+
+    def submit(request: dict[str, Any]) -> None:
+        engine.add_request(_prompt_for(engine, request), sampling_params_for(request, top_k),
+                           request_id=request["request_id"])
+
+    groups = submission_groups(requests, manifest["inference"]["batching"])
+    done: list[Segment] = []
+    for index, group in enumerate(groups):
+        stored = checkpoint.segments.get(index) if checkpoint is not None else None
+        if checkpoint is not None and stored is not None:
+            done.append(_stored_segment(checkpoint, index, group, progress))
+            continue
+        segment = run_segment(engine, index, group, manifest, submit, report)
+        if checkpoint is not None:
+            checkpoint.add_segment(segment.record(), _tensor_file(segment))
+        done.append(segment)
     finished = time.perf_counter()
-    sequences = [entry for r in requests for entry in sequences_of(r, finals[r["request_id"]])]
+    captures = manifest["capture"]
     return BackendResult(
         backend="embedded",
-        sequences=sequences,
+        sequences=[entry for segment in done for entry in segment.sequences],
         fingerprint=engine.fingerprint,
         system_fingerprint=engine.system_fingerprint,
         batch_trace=[{"submitted_together": [r["request_id"] for r in group]} for group in groups],
         timings={"load_seconds": loaded - started, "generate_seconds": finished - loaded},
-        activations=recorder.document(engine.trace) if recorder else None,
-        activation_tensors=recorder.tensors(engine.trace) if recorder and recorder.keep_tensors else None,
-        engine_trace=capture.trace_document(engine.trace) if captures["engine_trace"]["enabled"] else None,
+        activations=joined_activations(done),
+        activation_tensors=joined_tensors(done),
+        engine_trace=joined_trace(done) if captures["engine_trace"]["enabled"] else None,
     )
+
+
+def _stored_segment(checkpoint: Checkpoint, index: int, group: list[dict[str, Any]],
+                    progress: Progress | None) -> Segment:
+    record = checkpoint.segments[index]
+    if record["request_ids"] != [request["request_id"] for request in group]:
+        raise WorkflowError(f"checkpoint {checkpoint.path}: segment {index} holds other requests than this "
+                            f"run's group {index}; remove {checkpoint.path} to start over")
+    segment = segment_from_record(record, checkpoint.segment_tensors(index))
+    if progress is not None:
+        progress.skip(len(segment.request_ids), sum(len(s["output_token_ids"]) for s in segment.sequences))
+    return segment
+
+
+def _tensor_file(segment: Segment) -> bytes | None:
+    return capture.tensor_bytes(segment.tensors) if segment.tensors else None
 
 
 def _check_loaded_files(loaded: tuple[Path, ...], locked: list[Path]) -> None:
@@ -134,12 +170,6 @@ def _check_loaded_files(loaded: tuple[Path, ...], locked: list[Path]) -> None:
                 f"the engine loaded {path}, which is not pinned in $.model.files; add it to the manifest "
                 "(`detinf init` lists every model file) and run `detinf lock` again"
             )
-
-
-def _submission_groups(requests: list[dict[str, Any]], policy: str) -> list[list[dict[str, Any]]]:
-    if policy == "sequential":
-        return [[request] for request in requests]
-    return [list(requests)]
 
 
 def _prompt_for(engine: Any, request: dict[str, Any]) -> str:

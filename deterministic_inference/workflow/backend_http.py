@@ -7,27 +7,41 @@ returns them (vLLM's ``return_token_ids`` fields ``token_ids`` / ``prompt_token_
 in ``output_tokens`` and a warning says ids were unavailable. Logprobs are recorded exactly as parsed from
 the JSON. The endpoint's hardware is unknown to the client: the fingerprint records the endpoint's
 ``system_fingerprint`` values as its software part and a fixed "remote" hardware part.
+
+Transient failures are retried (`retry`). With a checkpoint (`checkpoint`), every answer is appended as
+it arrives, as the JSON text it was parsed from re-serialised in its own member order (top_logprobs
+objects are ordered by rank); a resumed run reads them back and sends only the missing requests.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TextIO
 
 import httpx
 
 from deterministic_inference import fingerprint
 from deterministic_inference.errors import WorkflowError
 from deterministic_inference.workflow.backend_engine import BackendResult
+from deterministic_inference.workflow.checkpoint import Checkpoint
 from deterministic_inference.workflow.constraints import CONSTRAINT_FIELDS
+from deterministic_inference.workflow.progress import Progress
+from deterministic_inference.workflow.retry import RetryLog, RetryPolicy, send_with_retries
 
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 
 
-def run_http(manifest: dict[str, Any], base_url: str, requests: list[dict[str, Any]]) -> BackendResult:
-    """Send every request to the endpoint and collect the sequences."""
+def run_http(manifest: dict[str, Any], base_url: str, requests: list[dict[str, Any]],
+             progress: Progress | None = None, log: TextIO | None = None,
+             policy: RetryPolicy | None = None, checkpoint: Checkpoint | None = None) -> BackendResult:
+    """Send every request to the endpoint, retrying transient failures (`retry`), and collect the
+    sequences (`progress` counts each answer, `log` gets a line per retry). With a `checkpoint`, each
+    answer is kept as it arrives and answers it already holds are not asked for again."""
     execution = manifest["runtime"]["execution"]
     captures = manifest["capture"]
     top_k = captures["logits"]["top_k"] if captures["logits"]["enabled"] else 0
@@ -36,13 +50,31 @@ def run_http(manifest: dict[str, Any], base_url: str, requests: list[dict[str, A
     if root.endswith("/v1"):
         root = root[: -len("/v1")]
     warnings: list[str] = []
+    retries, policy = RetryLog(log), policy or RetryPolicy()
+    answers = _stored_answers(checkpoint, retries, progress)
     with httpx.Client(base_url=root, timeout=float(execution["timeout_seconds"]), trust_env=False) as client:
         wanted = execution.get("model") or manifest["model"]["source"].get("name")
-        model = _served_model(client, wanted, warnings)
+        model = _served_model(client, wanted, warnings, lambda: send_with_retries(
+            lambda: client.get("/v1/models"), "GET /v1/models", policy, retries, f"{client.base_url}"))
         workers = max(1, int(manifest["inference"]["batching"]["concurrency"]))
+        keeping = threading.Lock()
+
+        def answer(index: int) -> tuple[int, dict[str, Any]]:
+            request = requests[index]
+            response = _counted(request, _post(client, request, model, top_k, policy, retries), progress,
+                                retries)
+            if checkpoint is not None:
+                with keeping:
+                    checkpoint.add_segment({"index": index, "request_ids": [request["request_id"]],
+                                            "response": _kept(response)}, None)
+            return index, response
+
+        pending = [index for index in range(len(requests)) if index not in answers]
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            responses = list(pool.map(lambda r: _post(client, r, model, top_k), requests))
+            answers.update(pool.map(answer, pending))
+    retries.check()
     finished = time.perf_counter()
+    responses = [answers[index] for index in range(len(requests))]
     sequences: list[dict[str, Any]] = []
     fingerprints: set[str] = set()
     for request, response in zip(requests, responses, strict=True):
@@ -57,13 +89,37 @@ def run_http(manifest: dict[str, Any], base_url: str, requests: list[dict[str, A
         system_fingerprint=",".join(sorted(fingerprints)) or "unknown",
         batch_trace=[{"concurrency": workers, "request_order": [r["request_id"] for r in requests]}],
         timings={"load_seconds": 0.0, "generate_seconds": finished - started}, warnings=warnings,
+        retries=retries.events,
     )
 
 
-def _served_model(client: httpx.Client, wanted: str | None, warnings: list[str]) -> str:
+def _kept(response: dict[str, Any]) -> str:
+    """An answer as the checkpoint keeps it: JSON text in the answer's own member order (top_logprobs
+    are objects whose order is the ranking, which canonical JSON's sorted keys would lose)."""
+    return json.dumps(response, ensure_ascii=False)
+
+
+def _stored_answers(checkpoint: Checkpoint | None, retries: RetryLog,
+                    progress: Progress | None) -> dict[int, dict[str, Any]]:
+    """Answers a checkpoint holds (request index -> response); their fingerprints must be the new
+    answers' too (a resumed run counts as retried for the fingerprint guard)."""
+    if checkpoint is None or not checkpoint.segments:
+        return {}
+    answers = {index: json.loads(record["response"]) for index, record in checkpoint.segments.items()}
+    retries.resumed = True
+    for index, response in sorted(answers.items()):
+        retries.answered(str(index), response.get("system_fingerprint"))
+    if progress is not None:
+        tokens = [(r.get("usage") or {}).get("completion_tokens") for r in answers.values()]
+        progress.skip(len(answers), sum(t for t in tokens if isinstance(t, int)))
+    return answers
+
+
+def _served_model(client: httpx.Client, wanted: str | None, warnings: list[str],
+                  list_models: Callable[[], httpx.Response]) -> str:
     """The model name to send: the manifest's if the endpoint serves it, else the endpoint's first model."""
     try:
-        listing = client.get("/v1/models")
+        listing = list_models()
         listing.raise_for_status()
         served = [str(item.get("id")) for item in listing.json().get("data", []) if isinstance(item, dict)]
     except (httpx.HTTPError, ValueError) as error:
@@ -77,21 +133,33 @@ def _served_model(client: httpx.Client, wanted: str | None, warnings: list[str])
     return served[0]
 
 
-def _post(client: httpx.Client, request: dict[str, Any], model: str, top_k: int) -> dict[str, Any]:
+def _post(client: httpx.Client, request: dict[str, Any], model: str, top_k: int, policy: RetryPolicy,
+          retries: RetryLog) -> dict[str, Any]:
     body = _body(request, model, top_k)
     path = "/v1/chat/completions" if request["kind"] == "chat" else "/v1/completions"
-    try:
-        response = client.post(path, json=body)
-    except httpx.HTTPError as error:
-        raise WorkflowError(f"{client.base_url}{path}: request {request['request_id']} failed: "
-                            f"{error}") from None
+    response = send_with_retries(lambda: client.post(path, json=body), request["request_id"], policy,
+                                 retries, f"{client.base_url}{path}")
     if response.status_code != 200:
         raise WorkflowError(
             f"{client.base_url}{path}: request {request['request_id']} got HTTP {response.status_code}: "
             f"{response.text[:300]}"
         )
-    document: dict[str, Any] = response.json()
+    try:
+        document: dict[str, Any] = response.json()
+    except ValueError:
+        raise WorkflowError(f"{client.base_url}{path}: request {request['request_id']} got an answer that "
+                            "is not JSON; check --base-url") from None
     return document
+
+
+def _counted(request: dict[str, Any], response: dict[str, Any], progress: Progress | None,
+             retries: RetryLog) -> dict[str, Any]:
+    retries.answered(request["request_id"], response.get("system_fingerprint"))
+    if progress is not None:
+        usage = response.get("usage")
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        progress(1, tokens if isinstance(tokens, int) else 0)
+    return response
 
 
 def _body(request: dict[str, Any], model: str, top_k: int) -> dict[str, Any]:

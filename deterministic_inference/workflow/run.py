@@ -5,7 +5,8 @@ the lock belongs to this manifest, hardware constraints, the prompt dataset's di
 digest (skipped with ``--no-verify-artifact-digests``), the runtime closure against the lock (a warning,
 or a refusal under ``runtime.closure_policy: enforce``). Then the requests run with ``runtime.env``
 applied and, under ``network_policy: offline_required``, inside `network.offline_guard`. The run
-directory is published atomically (see `rundir`). The run id is
+directory is published atomically (see `rundir`); what finishes before that is kept in a checkpoint
+beside it, which ``--resume`` continues (`resume`, `checkpoint`, `segments`). The run id is
 ``sha256(manifest_id + lock_id + requests_digest + hardware digest)``.
 """
 
@@ -25,8 +26,18 @@ from deterministic_inference.errors import WorkflowError
 from deterministic_inference.workflow import artifacts, capture, closure, dataset, network
 from deterministic_inference.workflow.backend_engine import BackendResult
 from deterministic_inference.workflow.canonical import run_id as compute_run_id
+from deterministic_inference.workflow.checkpoint import Checkpoint
 from deterministic_inference.workflow.lock import check_lock_for, load_lock
 from deterministic_inference.workflow.manifest import GPU_BACKENDS, Manifest, load_manifest
+from deterministic_inference.workflow.progress import Progress
+from deterministic_inference.workflow.resume import (
+    check_sharded,
+    checkpoint_log,
+    discard,
+    identity,
+    open_checkpoint,
+    sharded_checkpoint_log,
+)
 from deterministic_inference.workflow.rundir import json_bytes, write_run_dir
 
 
@@ -40,6 +51,8 @@ class RunOptions:
     lock_path: Path | None = None  # default: next to the manifest
     ray_address: str | None = None  # split the requests over Ray actors (``local``: a local instance)
     shards: int | None = None  # how many (default scaleout.shards.DEFAULT_SHARDS)
+    resume: bool = False  # continue from the checkpoint an interrupted run left beside the target
+    quiet: bool = False  # no progress on stderr
 
 
 @dataclass(frozen=True)
@@ -78,16 +91,57 @@ def run_manifest(path: Path, options: RunOptions, log: TextIO | None = None) -> 
             raise WorkflowError(f"--base-url {base_url}: network_policy offline_required allows "
                                 "only loopback endpoints; set runtime.network_policy to online_allowed")
     _check_ray_options(options, backend, offline)
-    with applied_env(data["runtime"]["env"]), network.offline_guard() if offline else nullcontext():
-        result = _execute(backend, base_url, prepared, options, out)
+    planned = _planned_target(prepared, options)
+    stored, folder = None, None
+    if options.ray_address is None:  # embedded: one record per group; endpoint: one per answer
+        stored = open_checkpoint(planned, prepared, options.resume, out)
+    else:  # sharded: one checkpoint per shard
+        folder = check_sharded(planned, identity(prepared), options.resume, out)
+    progress = Progress("run", len(prepared.requests), out, enabled=not options.quiet)
+    try:
+        with applied_env(data["runtime"]["env"]), network.offline_guard() if offline else nullcontext():
+            result = _execute(backend, base_url, prepared, options, out, (stored, folder), progress)
+    except BaseException:
+        if stored is not None:
+            stored.remove() if stored.created and not stored.segments else stored.close()
+        if folder is not None:
+            discard(folder, only_if_empty=True)
+        raise
+    finally:
+        progress.close()
     for warning in result.warnings:
         print(f"warning: {warning}", file=out)
     run = compute_run_id(manifest.manifest_id, prepared.lock["lock_id"], prepared.requests_digest,
                          result.fingerprint["hardware"])
-    target = options.output_dir or _template_dir(data["outputs"]["directory"], manifest.name, run)
-    files = _documents(prepared, result, options, backend, base_url, offline, started)
+    target = planned if options.output_dir or run == _local_run_id(prepared) else _template_dir(
+        data["outputs"]["directory"], manifest.name, run)
+    checkpoint_section = checkpoint_log(stored) if folder is None else sharded_checkpoint_log(folder)
+    files = _documents(prepared, result, options, backend, base_url, offline, started, checkpoint_section)
     bundle = _bundle_record(prepared, result, run)
-    return write_run_dir(target, files, bundle)
+    published = write_run_dir(target, files, bundle)
+    if stored is not None:
+        stored.remove()
+    if folder is not None:
+        discard(folder, only_if_empty=False)
+    return published
+
+
+def _local_run_id(prepared: Prepared) -> str:
+    """The run id of an embedded run on this machine (its hardware digest is this CPU's)."""
+    hardware = fingerprint.digest(fingerprint.hardware_fingerprint())
+    return compute_run_id(prepared.manifest.manifest_id, prepared.lock["lock_id"], prepared.requests_digest,
+                          hardware)
+
+
+def _planned_target(prepared: Prepared, options: RunOptions) -> Path:
+    """The run directory, known before generating (for the checkpoint beside it); refuses an existing one."""
+    if options.output_dir is not None:
+        if options.output_dir.exists():
+            raise WorkflowError(f"{options.output_dir}: already exists; choose another --output-dir or "
+                                "remove it")
+        return options.output_dir
+    manifest = prepared.manifest
+    return _template_dir(manifest.data["outputs"]["directory"], manifest.name, _local_run_id(prepared))
 
 
 def prepare(manifest: Manifest, options: RunOptions, out: TextIO) -> Prepared:
@@ -187,12 +241,13 @@ def _check_ray_options(options: RunOptions, backend: str, offline: bool) -> None
 
 
 def _execute(backend: str, base_url: str | None, prepared: Prepared, options: RunOptions,
-             out: TextIO) -> BackendResult:
+             out: TextIO, checkpoints: tuple[Checkpoint | None, Path | None], progress: Progress
+             ) -> BackendResult:
     data = prepared.manifest.data
     if backend == "openai_compatible":
         from deterministic_inference.workflow.backend_http import run_http
 
-        return run_http(data, str(base_url), prepared.requests)
+        return run_http(data, str(base_url), prepared.requests, progress, out, checkpoint=checkpoints[0])
     if prepared.location.root is None:
         raise WorkflowError("$.model.source: a remote model needs --base-url (backend openai_compatible)")
     if options.ray_address is not None:
@@ -200,11 +255,14 @@ def _execute(backend: str, base_url: str | None, prepared: Prepared, options: Ru
 
         digests = [entry["digest"] for entry in prepared.lock["model"]["files"]]
         locked = (prepared.locked_files, digests if options.verify_artifact_digests else [])
-        return run_sharded(data, prepared.location, prepared.requests, locked, options.ray_address,
-                           DEFAULT_SHARDS if options.shards is None else options.shards, out)
+        shards = DEFAULT_SHARDS if options.shards is None else options.shards
+        folder = checkpoints[1]
+        return run_sharded(data, prepared.location, prepared.requests, locked, options.ray_address, shards,
+                           out, None if folder is None else (folder, identity(prepared)))
     from deterministic_inference.workflow.backend_engine import run_embedded
 
-    return run_embedded(data, prepared.location, prepared.requests, prepared.locked_files)
+    return run_embedded(data, prepared.location, prepared.requests, prepared.locked_files, checkpoints[0],
+                        progress)
 
 
 def _template_dir(template: str, name: str, run: str) -> Path:
@@ -219,7 +277,8 @@ def _template_dir(template: str, name: str, run: str) -> Path:
 
 
 def _documents(prepared: Prepared, result: BackendResult, options: RunOptions, backend: str,
-               base_url: str | None, offline: bool, started: str) -> dict[str, bytes]:
+               base_url: str | None, offline: bool, started: str, checkpoint_section: dict[str, Any]
+               ) -> dict[str, bytes]:
     data = prepared.manifest.data
     tokens = {"schema_version": 1, "sequences": [
         {key: value for key, value in item.items() if key not in ("token_logprobs", "top_logprobs")}
@@ -229,7 +288,8 @@ def _documents(prepared: Prepared, result: BackendResult, options: RunOptions, b
         "lock.used.json": json_bytes(prepared.lock),
         "requests.json": json_bytes(prepared.requests, compact=True),
         "tokens.json": json_bytes(tokens, compact=True),
-        "run_log.json": json_bytes(_run_log(prepared, result, options, backend, base_url, offline, started)),
+        "run_log.json": json_bytes(_run_log(prepared, result, options, backend, base_url, offline, started)
+                                   | checkpoint_section),
     }
     if data["capture"]["logits"]["enabled"]:
         top_k = data["capture"]["logits"]["top_k"]
@@ -253,6 +313,7 @@ def _run_log(prepared: Prepared, result: BackendResult, options: RunOptions, bac
         "cli_overrides": {"base_url": options.base_url, "output_dir": str(options.output_dir or "") or None,
                           "verify_artifact_digests": options.verify_artifact_digests},
         **({"ray_address": options.ray_address, "shards": result.shards} if result.shards else {}),
+        **({"retries": result.retries} if result.retries is not None else {}),
         "batch_trace": result.batch_trace,
         "determinism_controls": {
             "engine": data["engine"], "batching": data["inference"]["batching"],

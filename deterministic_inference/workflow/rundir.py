@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from deterministic_inference.errors import WorkflowError
+from deterministic_inference.workflow.artifacts import hash_file
 from deterministic_inference.workflow.canonical import digest_bytes, digest_json, loads_strict, run_id
 from deterministic_inference.workflow.canonical import lock_id as compute_lock_id
 from deterministic_inference.workflow.canonical import manifest_id as compute_manifest_id
@@ -152,10 +153,9 @@ def _check_file(root: Path, name: str, expected: str) -> None:
     file_path = root / name
     if ".." in Path(name).parts or Path(name).is_absolute():
         raise WorkflowError(f"{root / BUNDLE_FILE}: file name {name!r} escapes the run directory")
-    try:
-        actual = digest_bytes(file_path.read_bytes())
-    except OSError:
-        raise WorkflowError(f"{file_path}: missing; the run directory is incomplete") from None
+    if not file_path.is_file():
+        raise WorkflowError(f"{file_path}: missing; the run directory is incomplete")
+    actual = hash_file(file_path, name)  # streamed; big captures show progress on stderr
     if actual != expected:
         raise WorkflowError(f"{file_path}: digest {actual} differs from {expected} in {BUNDLE_FILE}; "
                             "the run directory was modified")

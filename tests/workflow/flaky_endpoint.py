@@ -1,0 +1,128 @@
+"""A loopback HTTP proxy in front of a real server that fails on a script: 503s, 429s, answers dropped
+after the server computed them, and a restart (the port refuses connections for a moment)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+
+RESTART_SECONDS = 0.6
+
+
+class FlakyEndpoint:
+    """The proxy's state: the failure script and what it forwarded and delivered."""
+
+    def __init__(self, upstream: str, script: list[str], rewrite_fingerprint_after_restart: bool = False):
+        self.upstream = upstream
+        self.script = list(script)  # one action per POST, in arrival order; then "forward"
+        self.rewrite = rewrite_fingerprint_after_restart
+        self.restarted = False
+        self.delivered: Counter[str] = Counter()  # body digest -> answers delivered to the client
+        self.forwarded = 0  # POSTs the real server answered
+        self.lock = threading.Lock()
+        self.server: ThreadingHTTPServer | None = None
+        self.port = 0
+
+    def next_action(self) -> str:
+        """The scripted action of the next POST."""
+        with self.lock:
+            return self.script.pop(0) if self.script else "forward"
+
+    def forward(self, method: str, path: str, body: bytes) -> httpx.Response:
+        """Send to the real server."""
+        response = httpx.request(method, self.upstream + path, content=body or None, timeout=120,
+                                 headers={"content-type": "application/json"} if body else None)
+        if method == "POST":
+            with self.lock:
+                self.forwarded += 1
+        return response
+
+    def start(self) -> None:
+        """Listen (again) on the port."""
+        server = ThreadingHTTPServer(("127.0.0.1", self.port), _handler(self))
+        server.daemon_threads = True
+        self.port = server.server_address[1]
+        self.server = server
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def restart_soon(self) -> None:
+        """Stop listening, stay down for RESTART_SECONDS, listen again (from another thread)."""
+        def cycle() -> None:
+            assert self.server is not None
+            self.server.shutdown()
+            self.server.server_close()
+            time.sleep(RESTART_SECONDS)
+            self.restarted = True
+            self.start()
+        threading.Thread(target=cycle, daemon=True).start()
+
+    @property
+    def base_url(self) -> str:
+        """Where clients connect."""
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _handler(state: FlakyEndpoint) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self._reply(state.forward("GET", self.path, b""), b"")
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            body = self.rfile.read(int(self.headers.get("content-length", "0")))
+            action = state.next_action()
+            if action in ("503", "429"):
+                self.send_response(int(action))
+                self.send_header("retry-after", "0")
+                self.send_header("content-length", "0")
+                self.end_headers()
+                return
+            if action in ("drop", "restart"):  # the server computes the answer, the client never sees it
+                state.forward("POST", self.path, body)
+                self.close_connection = True
+                if action == "restart":
+                    state.restart_soon()
+                return
+            self._reply(state.forward("POST", self.path, body), body)
+
+        def _reply(self, response: httpx.Response, body: bytes) -> None:
+            content = response.content
+            if state.rewrite and state.restarted and body:
+                document = json.loads(content)
+                document["system_fingerprint"] = "detinf-0000000000000000"  # came back with other weights
+                content = json.dumps(document).encode()
+            self.send_response(response.status_code)
+            self.send_header("content-type", response.headers.get("content-type", "application/json"))
+            self.send_header("content-length", str(len(content)))
+            self.end_headers()
+            self.wfile.write(content)
+            if body and response.status_code == 200:
+                with state.lock:
+                    state.delivered[hashlib.sha256(body).hexdigest()] += 1
+
+    return Handler
+
+
+@contextmanager
+def flaky_endpoint(upstream: str, script: list[str], rewrite_fingerprint_after_restart: bool = False
+                   ) -> Iterator[FlakyEndpoint]:
+    """A running proxy; shut down after the block."""
+    endpoint = FlakyEndpoint(upstream, script, rewrite_fingerprint_after_restart)
+    endpoint.start()
+    try:
+        yield endpoint
+    finally:
+        if endpoint.server is not None:
+            endpoint.server.shutdown()
+            endpoint.server.server_close()

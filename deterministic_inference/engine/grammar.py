@@ -47,6 +47,7 @@ _MAX_MESSAGE = 400  # characters of llguidance's error text quoted back to the c
 _SPECIAL_MARK = b"\xff"  # llguidance: a token whose bytes start with 0xFF is a special token
 # JSON (documented choice): no free whitespace, Python's json.dumps separators (", " and ": "), so a model
 # cannot loop on blank lines and answers read like ordinary JSON; a schema's "x-guidance" key overrides it.
+# json_object (any object) is fully compact instead: "," and ":" with no spaces.
 _JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _DIGEST_DOMAIN = b"detinf-grammar-vocabulary-v1\x00"
 
@@ -181,7 +182,8 @@ class GrammarCompiler:
                 raise _invalid(spec, "the schema must be a JSON object")
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)  # type: ignore[arg-type]
         if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_DEFAULTS)  # type: ignore[arg-type]
+            compact = {"whitespace_flexible": False}  # "," and ":" with no spaces at all
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=compact)  # type: ignore[arg-type]
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(source)
         if kind == "choice":

@@ -104,13 +104,14 @@ class Progress:
         self._last_line = self.clock()
         print(self.line(), file=self.stream, flush=True)
 
-    def close(self) -> None:
-        """Stop the bar, or write the final plain line."""
+    def close(self, failed: bool = False) -> None:
+        """Stop the bar, or write the final plain line (none when the work failed: its error is then
+        the one line a user reads)."""
         if not self.enabled:
             return
         with self._lock:
             if self._bar is not None:
                 self._bar.stop()
                 self._bar = None
-            else:
+            elif not failed:
                 self._plain_line()

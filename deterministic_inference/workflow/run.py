@@ -102,13 +102,13 @@ def run_manifest(path: Path, options: RunOptions, log: TextIO | None = None) -> 
         with applied_env(data["runtime"]["env"]), network.offline_guard() if offline else nullcontext():
             result = _execute(backend, base_url, prepared, options, out, (stored, folder), progress)
     except BaseException:
+        progress.close(failed=True)
         if stored is not None:
             stored.remove() if stored.created and not stored.segments else stored.close()
         if folder is not None:
             discard(folder, only_if_empty=True)
         raise
-    finally:
-        progress.close()
+    progress.close()
     for warning in result.warnings:
         print(f"warning: {warning}", file=out)
     run = compute_run_id(manifest.manifest_id, prepared.lock["lock_id"], prepared.requests_digest,

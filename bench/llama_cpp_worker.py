@@ -1,7 +1,8 @@
 """llama.cpp (llama-cpp-python) as a child process of a benchmark: JSON requests in, JSON answers out.
 
-The benchmarks run our engine in `.venv` and llama.cpp in the bench venv (`/work/bench-venv`, from
-bench/requirements-bench.txt; never a product or test dependency), alternating runs so both see the
+The benchmarks run our engine in `.venv` and llama.cpp in the bench venv (`$BENCH_VENV`, default
+`../bench-venv` beside the repository, from bench/requirements-bench.txt; never a product or test
+dependency), alternating runs so both see the
 same machine load. This file imports only llama_cpp, numpy and the standard library, so it runs under
 the bench venv's Python without our package. `LlamaCppWorker` is the parent's handle.
 
@@ -18,13 +19,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_PYTHON = Path("/work/bench-venv/bin/python")
+BENCH_VENV_ENV = "BENCH_VENV"  # the bench venv's directory; default DEFAULT_VENV
+DEFAULT_VENV = Path(__file__).resolve().parents[1].parent / "bench-venv"  # beside the repository
+DEFAULT_PYTHON = Path(os.environ.get(BENCH_VENV_ENV) or DEFAULT_VENV) / "bin" / "python"
 
 
 class LlamaCppWorker:

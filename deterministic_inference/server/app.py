@@ -1,7 +1,9 @@
 """FastAPI app factory: OpenAI-compatible endpoints over one `AsyncEngine`.
 
 Start-up: the app starts serving at once and the engine is built (model load + self-check) in the
-engine thread; `/healthz` answers 503 until that finished, and other endpoints answer 503 too.
+engine thread; `/healthz` answers 503 until that finished, and other endpoints answer 503 too. (`detinf
+serve` starts the engine before the app: it binds its port only once the engine is ready, see
+`server/process.py`.)
 If loading fails, `on_load_failure` is called (the `serve` command uses it to exit non-zero); if the
 engine dies while serving, `/healthz` turns 503 at once, in-flight requests get 503 and `on_failure` is
 called (the `serve` command exits non-zero for its supervisor to restart it).
@@ -94,7 +96,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
+        if async_engine.state is EngineState.NEW:  # `detinf serve` starts it before binding the port
+            async_engine.start()
         try:
             yield
         finally:

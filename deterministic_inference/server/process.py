@@ -1,5 +1,10 @@
-"""The `detinf serve` process: uvicorn with a bounded shutdown, a bounded exit after an engine failure,
-and the package's logging.
+"""The `detinf serve` process: the engine built before the port is bound, uvicorn with a bounded
+shutdown, a bounded exit after an engine failure, and the package's logging.
+
+Start-up (`serve_when_engine_ready`): the engine thread builds the engine (model load, self-check) first;
+only once it is ready does uvicorn start, bind the port and log its start-up lines. A model or engine
+that cannot start therefore ends the command before any of those, the port never bound, with the reason
+in one line (the caller prints it). A signal during the build ends the command without serving.
 
 Shutdown on SIGTERM/SIGINT: the engine stops admitting at once (`on_exit_signal`) and gives in-flight
 requests `shutdown_timeout` seconds, then aborts the rest, freeing their KV blocks (logged, with the
@@ -18,6 +23,7 @@ import asyncio
 import logging
 import math
 import os
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -26,10 +32,13 @@ from typing import Any
 
 import uvicorn
 
+from deterministic_inference.engine.async_engine import AsyncEngine, EngineState
+
 FAILURE_LINGER = 1.0  # seconds /healthz keeps answering 503 after the engine died, before the exit
 FAILURE_GRACE = 2  # seconds in-flight responses get to finish after the engine died
 RESPONSE_GRACE = 1  # seconds uvicorn waits beyond the engine's deadline for aborted responses to go out
 WATCHDOG_MARGIN = 15.0  # a shutdown still running this long after its bound ends the process
+LOAD_POLL = 0.02  # seconds between looks at the engine thread while it builds the engine
 
 logger = logging.getLogger("detinf.server")
 
@@ -38,11 +47,21 @@ class BoundedServer(uvicorn.Server):
     """A uvicorn Server whose shutdown is bounded (see the module docstring)."""
 
     def __init__(
-        self, config: uvicorn.Config, shutdown_timeout: float, on_exit_signal: Callable[[], None] | None
+        self,
+        config: uvicorn.Config,
+        shutdown_timeout: float,
+        on_exit_signal: Callable[[], None] | None,
+        on_started: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(config)
         self.shutdown_timeout = shutdown_timeout
         self.on_exit_signal = on_exit_signal  # must be signal-safe (e.g. call_soon_threadsafe)
+        self.on_started = on_started  # called once the port is bound and the app accepts requests
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:
@@ -72,9 +91,10 @@ def make_server(
     log_level: str,
     shutdown_timeout: float,
     on_exit_signal: Callable[[], None] | None = None,
+    on_started: Callable[[], None] | None = None,
 ) -> BoundedServer:
     """The server for `app`; uvicorn's graceful timeout is the shutdown timeout (whole seconds) plus
-    RESPONSE_GRACE."""
+    RESPONSE_GRACE. `on_started` runs once the port is bound."""
     config = uvicorn.Config(
         app,
         host=host,
@@ -82,7 +102,29 @@ def make_server(
         log_level=log_level,
         timeout_graceful_shutdown=math.ceil(shutdown_timeout) + RESPONSE_GRACE,
     )
-    return BoundedServer(config, shutdown_timeout, on_exit_signal)
+    return BoundedServer(config, shutdown_timeout, on_exit_signal, on_started)
+
+
+def serve_when_engine_ready(server: BoundedServer, engine: AsyncEngine) -> str | None:
+    """Build the engine in its thread, then bind the port and serve until shutdown (see the module
+    docstring). Returns the one-line reason when the engine failed to start (nothing was bound), else
+    None: after serving, or after a signal during the build."""
+    with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
+        return runner.run(_serve_when_engine_ready(server, engine))
+
+
+async def _serve_when_engine_ready(server: BoundedServer, engine: AsyncEngine) -> str | None:
+    engine.start()  # the app's lifespan sees it started and only stops it at shutdown
+    with server.capture_signals():  # SIGTERM/SIGINT while building: server.should_exit
+        while engine.state is EngineState.LOADING and not server.should_exit:
+            await asyncio.sleep(LOAD_POLL)
+    if engine.state is EngineState.FAILED:
+        return engine.error or "the engine failed to load"
+    if server.should_exit:
+        engine.begin_stop(0.0)  # the build cannot be interrupted; the thread ends with the process
+        return None
+    await server.serve()
+    return None
 
 
 def arm_watchdog(seconds: float) -> None:

@@ -16,6 +16,9 @@ LogprobPair = list[float | int | str | None]  # SGLang's [logprob or null, token
 
 
 class ErrorDetail(BaseModel):
+    """The error itself: a message for people, the OpenAI error type, the request field it concerns
+    (`param`, null when none) and a machine-readable `code`."""
+
     message: str
     type: str
     param: str | None
@@ -29,10 +32,14 @@ class ErrorResponse(BaseModel):
 
 
 class PromptTokensDetails(BaseModel):
+    """How the prompt was processed: the part of it served from the prefix cache."""
+
     cached_tokens: int = Field(description="prompt tokens served from the prefix cache")
 
 
 class Usage(BaseModel):
+    """Token counts of one response, over all its prompts and choices."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -49,6 +56,9 @@ class CompletionLogprobs(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    """One generated text of /v1/completions; `stop_reason` is the stop string or token id that
+    ended it, if one did."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None
@@ -69,21 +79,29 @@ class CompletionResponse(BaseModel):
 
 
 class TopLogprob(BaseModel):
+    """A candidate token at one position: its text, logprob (float32 value) and UTF-8 bytes."""
+
     token: str
     logprob: float
     bytes: list[int]
 
 
 class TokenLogprob(TopLogprob):
+    """A chosen token with its logprob and the `top_logprobs` most likely candidates at its position."""
+
     top_logprobs: list[TopLogprob]
 
 
 class ChatLogprobs(BaseModel):
+    """Logprobs of a chat choice: one entry per generated token (null when none were asked)."""
+
     content: list[TokenLogprob] | None
     refusal: str | None = None
 
 
 class ChatMessageOut(BaseModel):
+    """The assistant message of a chat choice."""
+
     role: str
     content: str | None
     refusal: str | None = None
@@ -91,6 +109,8 @@ class ChatMessageOut(BaseModel):
 
 
 class ChatChoice(BaseModel):
+    """One generated message of /v1/chat/completions; `stop_reason` as in CompletionChoice."""
+
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None
@@ -111,12 +131,17 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
+    """What a streamed chat event adds to its choice: the role once, then pieces of content."""
+
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None  # streamed tool-call pieces
 
 
 class ChatChunkChoice(BaseModel):
+    """One choice in a streamed chat event: its delta, the logprobs of the tokens in it, and the
+    finish reason in its last event."""
+
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
@@ -137,12 +162,18 @@ class ChatCompletionChunk(BaseModel):
 
 
 class GenerateFinishReason(BaseModel):
+    """Why a /generate output ended (SGLang's form): `length` with the token count, or `stop` with the
+    stop string or token id `matched`."""
+
     type: str
     length: int | None = None
     matched: int | str | None = None
 
 
 class GenerateMeta(BaseModel):
+    """/generate metadata of one output: its finish reason, token counts, fingerprint and, when asked,
+    the logprobs as SGLang's [logprob, token id, text] triples."""
+
     id: str
     finish_reason: GenerateFinishReason | None
     prompt_tokens: int
@@ -166,6 +197,8 @@ class GenerateItem(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """The served model in GET /v1/models: its name, context length (`max_model_len`) and fingerprint."""
+
     id: str
     object: str
     created: int
@@ -176,6 +209,8 @@ class ModelCard(BaseModel):
 
 
 class ModelList(BaseModel):
+    """GET /v1/models: the one model this server serves."""
+
     object: str
     data: list[ModelCard]
 
@@ -189,6 +224,8 @@ class Health(BaseModel):
 
 
 class FlushResult(BaseModel):
+    """POST /flush_cache: how many cached KV blocks were dropped (blocks of running requests stay)."""
+
     flushed_blocks: int
     system_fingerprint: str
 

@@ -181,6 +181,13 @@ class Tracked:
                 )
             yield delta
 
+    def so_far(self) -> OutputAssembler:
+        """The request so far, folded from the deltas `deltas()` passed on (the first one, which carries
+        the prompt, sets it)."""
+        if self.assembler is None:
+            raise RuntimeError(f"{self.stream.request_id}: no delta received yet")
+        return self.assembler
+
     async def result(self) -> RequestOutput:
         """Wait for the finished output."""
         async for _ in self.deltas():

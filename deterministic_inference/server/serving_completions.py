@@ -191,8 +191,7 @@ async def _stream(
     progress: dict[tuple[int, int], _ChoiceProgress] = {}
     try:
         async for index, delta in merged(tracked):
-            assembler = tracked[index].assembler
-            assert assembler is not None  # set from the first delta, which carries the prompt
+            assembler = tracked[index].so_far()
             for piece in delta.outputs:
                 state = progress.setdefault((index, piece.index), _ChoiceProgress())
                 choice = _piece(view, index, assembler.prompt, piece, state)

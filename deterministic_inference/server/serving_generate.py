@@ -166,8 +166,7 @@ def _finish_reason(choice: CompletionOutput) -> dict[str, Any] | None:
 async def _stream(tracked: list[Tracked], view: _View) -> AsyncIterator[str]:
     try:
         async for index, delta in merged(tracked):
-            assembler = tracked[index].assembler
-            assert assembler is not None  # set from the first delta
+            assembler = tracked[index].so_far()
             prompt = assembler.prompt
             for piece in delta.outputs:
                 choice = assembler.choices[piece.index]  # cumulative (SGLang streams whole objects)

@@ -46,45 +46,8 @@ def defaults() -> dict[str, Any]:
     """The values a manifest gets for every field it leaves out (a fresh copy)."""
     return {
         "model": {"files": []},
-        "engine": {
-            "dtype": "auto",
-            "batch_invariant": True,
-            "linear_tile_rows": EngineConfig.linear_tile_rows,
-            "kv_block_size": 16,
-            "seed": 0,
-            "max_model_len": None,
-            "num_kv_blocks": None,
-            "kv_cache_memory": None,
-            "quantization": "auto",
-            "selfcheck": True,
-        },
-        "inference": {
-            "dataset": {"source": REFERENCE_DATASET},
-            "request_template": {
-                "kind": "completion",
-                "sampling": {
-                    "temperature": 0.0,
-                    "top_p": 1.0,
-                    "top_k": 0,
-                    "min_p": 0.0,
-                    "max_tokens": 32,
-                    "seed": None,
-                    "n": 1,
-                    "repetition_penalty": 1.0,
-                    "presence_penalty": 0.0,
-                    "frequency_penalty": 0.0,
-                    "ignore_eos": False,
-                },
-                "stop": {"sequences": [], "token_ids": []},
-            },
-            "batching": {
-                "policy": "fixed",
-                "max_num_seqs": 64,
-                "max_num_batched_tokens": 512,
-                "enable_prefix_caching": True,
-                "concurrency": 1,
-            },
-        },
+        "engine": _engine_defaults(),
+        "inference": _inference_defaults(),
         "capture": {
             "tokens": True,
             "logits": {"enabled": True, "top_k": 5},
@@ -113,6 +76,55 @@ def defaults() -> dict[str, Any]:
         "outputs": {
             "directory": "runs/${manifest_name}/${run_id}",
             "golden": {"enabled": False, "bundle": None},
+        },
+    }
+
+
+def _engine_defaults() -> dict[str, Any]:
+    """How the engine computes: the numeric settings that enter the fingerprint, and the KV pool."""
+    return {
+        "dtype": "auto",
+        "batch_invariant": True,
+        "linear_tile_rows": EngineConfig.linear_tile_rows,
+        "kv_block_size": 16,
+        "seed": 0,
+        "max_model_len": None,
+        "num_kv_blocks": None,
+        "kv_cache_memory": None,
+        "quantization": "auto",
+        "selfcheck": True,
+    }
+
+
+def _inference_defaults() -> dict[str, Any]:
+    """What is asked (the dataset and the request every prompt gets: greedy, 32 tokens) and how the
+    requests are batched."""
+    sampling = {
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "max_tokens": 32,
+        "seed": None,
+        "n": 1,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "ignore_eos": False,
+    }
+    return {
+        "dataset": {"source": REFERENCE_DATASET},
+        "request_template": {
+            "kind": "completion",
+            "sampling": sampling,
+            "stop": {"sequences": [], "token_ids": []},
+        },
+        "batching": {
+            "policy": "fixed",
+            "max_num_seqs": 64,
+            "max_num_batched_tokens": 512,
+            "enable_prefix_caching": True,
+            "concurrency": 1,
         },
     }
 

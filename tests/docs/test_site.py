@@ -12,6 +12,7 @@ from pathlib import Path
 from tests.docs.runner import example_env
 from tests.docs.site import DOCS, REPO, nav_pages
 
+MACHINE_PATH = re.compile(r"(?<![\w.~$-])/(?:work|home|root|Users)/[\w.-]+")  # one machine's directories
 REPO_PATH = re.compile(
     r"`((?:tests|deterministic_inference|bench|scripts|configs|docs)/[\w./-]+?)(?:::(\w+))?`"
 )
@@ -65,6 +66,20 @@ def test_nothing_points_outside_the_repository() -> None:
                 resolved = (path.parent / target.split("#")[0]).resolve()
                 assert resolved.is_relative_to(REPO), (path, target)
                 assert resolved.exists(), (path, target)
+
+
+def test_no_machine_specific_paths() -> None:
+    """Paths in the README and the docs are relative to the repository or variables ($BENCH_VENV, ~),
+    never one machine's directories. (RESULTS.md is excepted: it records the commands as they were run.)"""
+    for path in _documents():
+        if path.name != "RESULTS.md":
+            assert not MACHINE_PATH.findall(path.read_text(encoding="utf-8")), path
+
+
+def test_control_the_machine_path_pattern_finds_one() -> None:
+    """The check above can fail: the README's former bench-venv line is caught, its fix is not."""
+    assert MACHINE_PATH.findall("python3.11 -m venv /work/bench-venv && /work/bench-venv/bin/pip")
+    assert not MACHINE_PATH.findall("python3.11 -m venv ../bench-venv && $BENCH_VENV/bin/pip ~/.ray/x")
 
 
 def test_named_repository_files_and_tests_exist() -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests.kernel_builds import build_together
 from tests.tiny_models import TinyModel
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -72,8 +73,12 @@ def tiny_cases(tiny_llama_dir: TinyModel, tiny_qwen3_dir: TinyModel) -> list[str
 
 @pytest.fixture(scope="module")
 def avx512() -> None:
+    """Skips without AVX-512; else builds (or finds in the kernel cache the probes use) the kernels of
+    every -march the settings name, all together (tests/kernel_builds.py), before the first probe."""
     if "avx512f" not in cpu_flags():
         pytest.skip("the reference setting dispatches torch to AVX-512, which this CPU lacks")
+    marches = sorted({env.get("DETINF_KERNEL_MARCH", "native") for _, env, _ in (BASE, *VARIANTS)})
+    build_together([((f"-march={march}",), None) for march in marches])
 
 
 def differing(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[str]:

@@ -10,7 +10,7 @@ import hashlib
 import math
 import platform
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,13 +26,11 @@ from deterministic_inference.ops.attention import (
     sequence_kv,
     write_kv,
 )
-from deterministic_inference.ops.native import NativeKernels, load
+from deterministic_inference.ops.native import NativeKernels
 from deterministic_inference.ops.native_build import ISA_FLAGS, NativeBuildError, build
 from tests.ops.helpers import HEAD_DIM, HEADS, KV_HEADS, TINY_HEAD_DIM, TINY_HEADS, TINY_KV_HEADS, bits
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-# Other builds compared with the default (-march=native): SSE2 only, and AVX2 (x86-64-v3).
-OTHER_ISAS = {"x86-64": ("-march=x86-64",), "x86-64-v3": ("-march=x86-64-v3",)}
 # (heads, KV heads, head dim): SmolLM2, the tiny test models, a head dim that is not a multiple of 16
 # (the kernel's scalar value loop), and 16 query heads on one KV head (a tile's rows of one KV head span
 # more than one group of rows sharing a load).
@@ -123,12 +121,6 @@ def reference_attention(case: Case) -> torch.Tensor:
     return torch.cat(outputs)
 
 
-@pytest.fixture(scope="module")
-def other_builds(build_dir: Path) -> dict[str, NativeKernels]:
-    """The kernel built for older x86-64 ISA levels."""
-    return {name: load(build(flags, build_dir)) for name, flags in OTHER_ISAS.items()}
-
-
 # --- a. the ISA changes speed, not bits
 
 
@@ -138,25 +130,27 @@ def other_builds(build_dir: Path) -> dict[str, NativeKernels]:
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_isa_flags_do_not_change_bits(
     kernels: NativeKernels,
-    other_builds: dict[str, NativeKernels],
+    march_builds: dict[str, NativeKernels],
     dtype_name: str,
     head_shape: str,
     block: int,
 ) -> None:
     case = make_case(DTYPES[dtype_name], head_shape, block)
     expected = bits(run_kernel(kernels, case))
-    for name, other in other_builds.items():
+    for name, other in march_builds.items():
         differing = (bits(run_kernel(other, case)) != expected).flatten(1).any(1).nonzero().flatten()
         assert differing.numel() == 0, f"{name} vs native: rows {differing.tolist()} differ"
 
 
 @pytest.mark.skipif(not X86, reason="the alternative builds use x86-64 -march levels")
-def test_negative_control_another_exp_changes_bits(kernels: NativeKernels, build_dir: Path) -> None:
+def test_negative_control_another_exp_changes_bits(
+    kernels: NativeKernels, flagged_build: Callable[[str], NativeKernels]
+) -> None:
     """The comparison above can see a difference: a build whose exp rounds each product and sum apart
     (DETINF_TEST_SEPARATE_STEPS: an ulp off now and then) changes the bits of most rows. (FMA contraction,
     the control this once used, no longer changes anything: every multiply-add of this kernel is an explicit
     fmaf. -ffast-math is no control either: its library sets flush-to-zero for the loading thread.)"""
-    other = load(build((*ISA_FLAGS, "-DDETINF_TEST_SEPARATE_STEPS"), build_dir))
+    other = flagged_build("-DDETINF_TEST_SEPARATE_STEPS")
     case = make_case(torch.float32, "smollm2", 16)
     differing = (bits(run_kernel(other, case)) != bits(run_kernel(kernels, case))).flatten(1).any(1)
     assert int(differing.sum()) > case.q.shape[0] // 2
@@ -164,11 +158,11 @@ def test_negative_control_another_exp_changes_bits(kernels: NativeKernels, build
 
 @pytest.mark.skipif(not X86, reason="the alternative builds use x86-64 -march levels")
 def test_isa_flags_do_not_change_exp_bits(
-    kernels: NativeKernels, other_builds: dict[str, NativeKernels]
+    kernels: NativeKernels, march_builds: dict[str, NativeKernels]
 ) -> None:
     grid = torch.linspace(-87.0, 0.0, 20001).tolist()
     expected = [kernels.exp(x) for x in grid]
-    for name, other in other_builds.items():
+    for name, other in march_builds.items():
         assert [other.exp(x) for x in grid] == expected, name
 
 
@@ -239,7 +233,7 @@ def test_cc_is_honoured_and_a_missing_cc_falls_back(monkeypatch: pytest.MonkeyPa
 def test_source_that_fails_to_compile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     broken = tmp_path / "broken.c"
     broken.write_text("int detinf_attention(void) { return undeclared_name; }\n")
-    monkeypatch.setattr(native_build, "SOURCES", (*native_build.SOURCES, broken))
+    monkeypatch.setattr(native_build, "SOURCES", (broken,))  # the others would only take time
     out_dir = tmp_path / "builds"
     with pytest.raises(NativeBuildError, match="failed"):
         build(ISA_FLAGS, out_dir)
@@ -332,9 +326,7 @@ def test_metadata_refuses_short_tables_and_empty_chunks(start: int, count: int, 
 # --- e. the build cache
 
 
-def test_second_build_reuses_the_library(
-    kernels: NativeKernels, build_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_second_build_reuses_the_library(kernels: NativeKernels, monkeypatch: pytest.MonkeyPatch) -> None:
     before = kernels.path.stat().st_mtime_ns
     commands: list[list[str]] = []
     real_run = subprocess.run
@@ -344,17 +336,20 @@ def test_second_build_reuses_the_library(
         return real_run(command, **kwargs)
 
     monkeypatch.setattr(native_build.subprocess, "run", recording_run)
-    assert build(ISA_FLAGS, build_dir) == kernels.path
+    assert build(ISA_FLAGS) == kernels.path
     assert commands, "the recorder saw no command (not even the compiler's --version)"
     assert kernels.path.stat().st_mtime_ns == before
     assert all("-o" not in command for command in commands), "the second build compiled again"
 
 
 def test_library_name_depends_on_flags_and_source(
-    kernels: NativeKernels, build_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    kernels: NativeKernels, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    other = build((*ISA_FLAGS, "-DDETINF_TEST_FLAG=1"), build_dir)
-    assert other != kernels.path and other.exists()
+    """The cache path (what `build` looks up before compiling) changes with a flag and with a source."""
+    cc = native_build.compiler()
+    assert native_build.library_path(cc, ISA_FLAGS) == kernels.path
+    other = native_build.library_path(cc, (*ISA_FLAGS, "-DDETINF_TEST_FLAG=1"))
+    assert other != kernels.path
     assert kernels.digest == kernels.path.stem.removeprefix("attention-")
     source_digest = native_build.source_digest()
     joined = b"\0".join(path.read_bytes() for path in (*native_build.SOURCES, *native_build.HEADERS))
@@ -363,7 +358,7 @@ def test_library_name_depends_on_flags_and_source(
     changed.write_bytes(native_build.SOURCES[0].read_bytes() + b"\n/* changed */\n")
     monkeypatch.setattr(native_build, "SOURCES", (changed, *native_build.SOURCES[1:]))
     assert native_build.source_digest() != source_digest
-    assert build(ISA_FLAGS, build_dir).name not in (kernels.path.name, other.name)
+    assert native_build.library_path(cc, ISA_FLAGS).name not in (kernels.path.name, other.name)
 
 
 def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

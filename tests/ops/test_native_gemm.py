@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deterministic_inference.ops.native import NativeKernels, load, packed_numel
-from deterministic_inference.ops.native_build import build
+from deterministic_inference.ops.native import NativeKernels, packed_numel
 from tests.ops.helpers import HIDDEN, INTER, bits
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -22,9 +21,9 @@ BF16 = torch.bfloat16
 
 
 @pytest.fixture(scope="module")
-def portable(build_dir: Path) -> NativeKernels:
+def portable(march_builds: dict[str, NativeKernels]) -> NativeKernels:
     """A build without AVX512-BF16 (x86-64-v3 = AVX2): the portable fmaf path."""
-    return load(build(("-march=x86-64-v3",), build_dir))
+    return march_builds["x86-64-v3"]
 
 
 def _wide(shape: tuple[int, int], seed: int) -> torch.Tensor:

@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache, write_kv
 from deterministic_inference.ops.backend import NativeBackend, Numerics
-from deterministic_inference.ops.native import NativeKernels, load
-from deterministic_inference.ops.native_build import ISA_FLAGS, build
+from deterministic_inference.ops.native import NativeKernels
 from deterministic_inference.ops.norm import rms_norm
 from deterministic_inference.ops.probes import norm_fn, rotary_fn
 from deterministic_inference.ops.rope import RotaryTable
@@ -77,9 +76,9 @@ Outputs = tuple[torch.Tensor, ...]
 
 
 @pytest.fixture(scope="module")
-def baseline(build_dir: Path) -> NativeKernels:
+def baseline(march_builds: dict[str, NativeKernels]) -> NativeKernels:
     """The build for the x86-64 baseline (SSE2 only)."""
-    return load(build(("-march=x86-64",), build_dir))
+    return march_builds["x86-64"]
 
 
 def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -292,13 +291,15 @@ def _has_fma() -> bool:
 
 
 @pytest.mark.skipif(not (X86 and _has_fma()), reason="needs an x86-64 CPU with FMA")
-def test_negative_control_fused_multiply_add_changes_bits(kernels: NativeKernels, build_dir: Path) -> None:
+def test_negative_control_fused_multiply_add_changes_bits(
+    kernels: NativeKernels, flagged_build: Callable[[str], NativeKernels]
+) -> None:
     """The comparisons above can see a difference: a build allowed to contract a * b + c into FMA (what
     -ffp-contract=off forbids) changes fp32 RMSNorm bits, and one whose exp rounds each product and sum
     apart (DETINF_TEST_SEPARATE_STEPS) changes silu_mul's. Contraction alone leaves silu_mul as it is: its
     exp's multiply-adds are all explicit fmaf calls, the same in every build."""
-    fused = load(build((*ISA_FLAGS, "-ffp-contract=fast"), build_dir))
-    other_exp = load(build((*ISA_FLAGS, "-DDETINF_TEST_SEPARATE_STEPS"), build_dir))
+    fused = flagged_build("-ffp-contract=fast")
+    other_exp = flagged_build("-DDETINF_TEST_SEPARATE_STEPS")
     hidden, delta, weight = norm_inputs(HIDDEN, torch.float32)
     norm_differ = bits(run_norm(fused, hidden, delta, weight)[0]) != bits(
         run_norm(kernels, hidden, delta, weight)[0]

@@ -8,28 +8,20 @@ from __future__ import annotations
 
 import math
 import platform
-from pathlib import Path
 
 import pytest
 import torch
 
 from deterministic_inference.ops import native_build, portable
 from deterministic_inference.ops.backend import NativeBackend, Numerics
-from deterministic_inference.ops.native import NativeKernels, load
-from deterministic_inference.ops.native_build import NativeBuildError, build
+from deterministic_inference.ops.native import NativeKernels
+from deterministic_inference.ops.native_build import NativeBuildError
 from deterministic_inference.ops.rope import INITIAL_POSITIONS, RotaryTable
 from deterministic_inference.ops.selfcheck import torch_threads
 from tests.ops.helpers import bits
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-OTHER_ISAS = {"x86-64": ("-march=x86-64",), "x86-64-v3": ("-march=x86-64-v3",)}
 INF = float("inf")
-
-
-@pytest.fixture(scope="module")
-def portable_builds(build_dir: Path) -> dict[str, NativeKernels]:
-    """The kernels built for older x86-64 ISA levels (SSE2 only, AVX2)."""
-    return {name: load(build(flags, build_dir)) for name, flags in OTHER_ISAS.items()}
 
 
 def logits_rows(rows: int, vocab: int, seed: int) -> torch.Tensor:
@@ -63,10 +55,10 @@ def all_outputs(kernels: NativeKernels) -> list[torch.Tensor]:
 
 @pytest.mark.skipif(not X86, reason="the alternative builds use x86-64 -march levels")
 def test_march_does_not_change_bits(
-    kernels: NativeKernels, portable_builds: dict[str, NativeKernels]
+    kernels: NativeKernels, march_builds: dict[str, NativeKernels]
 ) -> None:
     expected = [bits(t) for t in all_outputs(kernels)]
-    for name, other in portable_builds.items():
+    for name, other in march_builds.items():
         got = [bits(t) for t in all_outputs(other)]
         differing = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if not torch.equal(a, b)]
         assert not differing, f"{name} vs native: outputs {differing} differ"
@@ -74,7 +66,7 @@ def test_march_does_not_change_bits(
 
 @pytest.mark.skipif(not X86, reason="the alternative builds use x86-64 -march levels")
 def test_elementary_functions_same_bits_across_builds(
-    kernels: NativeKernels, portable_builds: dict[str, NativeKernels]
+    kernels: NativeKernels, march_builds: dict[str, NativeKernels]
 ) -> None:
     grid = [x / 7.0 for x in range(-6000, 6000, 7)]
 
@@ -87,7 +79,7 @@ def test_elementary_functions_same_bits_across_builds(
         )
 
     expected = values(kernels)
-    for name, other in portable_builds.items():
+    for name, other in march_builds.items():
         assert values(other) == expected, name
 
 

@@ -5,13 +5,12 @@ Row, thread, build and multi-part invariance are in test_quant_invariance.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from deterministic_inference.ops.native import NativeKernels, load
-from deterministic_inference.ops.native_build import build
+from deterministic_inference.ops.native import NativeKernels
 from deterministic_inference.ops.quant import FORMATS, QuantizedWeight, QuantLinear
 from deterministic_inference.ops.quant_probe import random_weight
 from tests.ops.helpers import bits
@@ -21,9 +20,9 @@ BF16 = torch.bfloat16
 
 
 @pytest.fixture(scope="module")
-def portable(build_dir: Path) -> NativeKernels:
+def portable(march_builds: dict[str, NativeKernels]) -> NativeKernels:
     """-march=x86-64: no AVX at all, the portable C path with libm's fmaf."""
-    return load(build(("-march=x86-64",), build_dir))
+    return march_builds["x86-64"]
 
 
 def _case(name: str, rows: int, out_features: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
@@ -149,7 +148,7 @@ def test_strided_activations_are_read_correctly(kernels: NativeKernels) -> None:
 def test_constructor_refuses_what_the_kernel_would_misread(kernels: NativeKernels) -> None:
     q4k, q8 = _weights()
     order = torch.arange(20)
-    bad = {
+    bad: dict[str, tuple[dict[str, Any], str]] = {
         "no parts": (dict(parts=[]), "one or more"),
         "not a weight": (dict(parts=[torch.zeros(20, 144, dtype=torch.uint8)]), "QuantizedWeight"),
         "in_features differ": (dict(parts=[q4k, q8]), "same in_features"),

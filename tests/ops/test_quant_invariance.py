@@ -5,13 +5,12 @@ broken variant (the C entry point's test hooks) that the same comparison catches
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from deterministic_inference.ops.native import NativeKernels, load
-from deterministic_inference.ops.native_build import build
+from deterministic_inference.ops.native import NativeKernels
 from deterministic_inference.ops.quant import (
     FORMATS,
     TEST_BATCH_SCALE,
@@ -24,13 +23,6 @@ from deterministic_inference.ops.quant_probe import random_weight
 from tests.ops.helpers import BATCH_SIZES, THREADS, bits, num_threads, row_mismatches
 
 SIZES = (*BATCH_SIZES, 100, 257, 512)  # 1..64 around the row tiles, then up to 512
-BUILD_FLAGS = ("-march=x86-64-v3", "-march=x86-64")
-
-
-@pytest.fixture(scope="module")
-def other_builds(build_dir: Path) -> dict[str, NativeKernels]:
-    """The AVX2 (x86-64-v3) and portable (x86-64) builds."""
-    return {flags: load(build((flags,), build_dir)) for flags in BUILD_FLAGS}
 
 
 def _linear(
@@ -45,7 +37,7 @@ def _rows(k: int, dtype: torch.dtype = torch.bfloat16, count: int = 3) -> torch.
     return torch.randn(count, k, generator=torch.Generator().manual_seed(2)).to(dtype)
 
 
-def _flagged(linear: QuantLinear, flags: int):  # noqa: ANN202
+def _flagged(linear: QuantLinear, flags: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: linear.forward_with_flags(x, flags)
 
 
@@ -150,12 +142,12 @@ def _outputs(lib: NativeKernels, cases: dict[str, QuantLinear], flags: int = 0) 
     return outputs
 
 
-def test_builds_give_the_same_bits(kernels: NativeKernels, other_builds: dict[str, NativeKernels]) -> None:
+def test_builds_give_the_same_bits(kernels: NativeKernels, march_builds: dict[str, NativeKernels]) -> None:
     """-march=native (AVX-512 VNNI here), x86-64-v3 (AVX2) and x86-64 (portable C): every format, a
     mixed multi-part linear with row orders, bias, fp32 and bf16 output."""
     cases = _build_cases(kernels)
     reference = _outputs(kernels, cases)
-    for flags, lib in other_builds.items():
+    for flags, lib in march_builds.items():
         found = _outputs(lib, cases)
         assert all(torch.equal(found[name], reference[name]) for name in cases), flags
 

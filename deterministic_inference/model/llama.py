@@ -1,9 +1,10 @@
-"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2, Qwen3) and its
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Phi-3, Qwen2, Qwen3) and its
 mixture-of-experts variants (Mixtral, Qwen2-MoE, Qwen3-MoE: the MLP is a `MoEBlock`, model/moe.py).
 
 Qwen2 adds biases to the q/k/v projections; Qwen3 adds an RMSNorm over each head of q and k before the
-rotary embedding. Everything else is the shared pre-norm block. All state arrives as arguments (the KV
-caches and attention metadata), never through a global.
+rotary embedding; Phi-3 stores q/k/v and gate/up fused (read as stored: the same GEMMs); Mistral and
+Phi-3 may attend over a sliding window. Everything else is the shared pre-norm block. All state arrives
+as arguments (the KV caches and attention metadata), never through a global.
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ class DecoderLayer:
         def matrices(*names: str) -> list[StoredWeight]:
             return [weights[prefix + name] for name in names]
 
-        qkv = tuple(f"self_attn.{n}_proj.weight" for n in "qkv")
+        qkv: tuple[str, ...] = tuple(f"self_attn.{n}_proj.weight" for n in "qkv")
+        if spec.fused_projections:
+            qkv = ("self_attn.qkv_proj.weight",)
+        self.window = spec.layer_window(index)  # keys of its sliding window (0: none)
         qkv_bias = None
         if spec.attention_bias:
             qkv_bias = torch.cat([vector(f"self_attn.{n}_proj.bias") for n in "qkv"])
@@ -88,7 +92,7 @@ class DecoderLayer:
         normed, hidden = ops.add_rms_norm(hidden, pending, self.input_norm, spec.rms_norm_eps)
         qkv = self._qk_normed(self.qkv(normed))  # [T, (H + 2*KVH) * D]
         q = ops.rotary_write_kv(qkv, positions, rotary, meta, kv_cache, spec.num_heads)  # [T, H, D]
-        delta = self.o_proj(ops.attention(q, kv_cache, meta, spec.head_dim**-0.5))  # [T, hidden]
+        delta = self.o_proj(ops.attention(q, kv_cache, meta, spec.head_dim**-0.5, self.window))  # [T, hidden]
         normed, hidden = ops.add_rms_norm(hidden, delta, self.post_attention_norm, spec.rms_norm_eps)
         return hidden, self.mlp(normed)
 

@@ -94,9 +94,10 @@ class OpsBackend(Protocol):
         ...
 
     def attention(
-        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, window: int = 0
     ) -> torch.Tensor:
-        """q [T, H, D] over each row's cached keys -> [T, H * D] in the model dtype."""
+        """q [T, H, D] over each row's cached keys (the last `window` of them when > 0) -> [T, H * D] in
+        the model dtype."""
         ...
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -189,10 +190,12 @@ class NativeBackend:
         )  # fmt: skip
 
     def attention(
-        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, window: int = 0
     ) -> torch.Tensor:
-        """The compiled kernel: each row alone over its own keys in a source-fixed order."""
-        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, scale=scale, kernels=self.kernels)
+        """The compiled kernel: each row alone over its own keys (its window's) in a source-fixed order."""
+        out = paged_attention(
+            q, kv_cache[0], kv_cache[1], meta, scale=scale, kernels=self.kernels, window=window
+        )
         return out.to(self.numerics.dtype).reshape(q.shape[0], -1)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -280,10 +283,10 @@ class TorchBackend:
         return q
 
     def attention(
-        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, window: int = 0
     ) -> torch.Tensor:
         """SDPA per sequence over its cached keys (fp32 inside), rounded to the model dtype."""
-        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, scale=scale, kernels=None)
+        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, scale=scale, kernels=None, window=window)
         return out.to(self.numerics.dtype).reshape(q.shape[0], -1)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -36,21 +36,30 @@ class NativeKernels:
         out: torch.Tensor,  # [T, H, D] fp32, rows [first, end) written
         rows: tuple[int, int] | None = None,  # compute only token rows [first, end); default all
         tile: int = 0,  # query tokens of a sequence computed together (1..8); 0 = the kernel's choice
+        row_first: torch.Tensor | None = None,  # [T] int64: first key each token sees (sliding window)
     ) -> None:
-        """Causal attention of each row over its own keys. Invariant by construction (see the C file):
-        the row range and the tile size change speed only."""
-        _check_inputs(q, k_cache, v_cache, out, (block_ids, row_table, row_keys))
+        """Causal attention of each row over its own keys (row_first[t]..row_keys[t]-1 under a sliding
+        window). Invariant by construction (see the C file): the row range and the tile size change speed
+        only."""
+        index = (
+            (block_ids, row_table, row_keys)
+            if row_first is None
+            else (block_ids, row_table, row_keys, row_first)
+        )
+        _check_inputs(q, k_cache, v_cache, out, index)
         first, end = rows if rows is not None else (0, q.shape[0])
         if (
             not 0 <= tile <= 8
             or not 0 <= first <= end <= q.shape[0]
             or row_table.shape[0] != q.shape[0]
             or row_keys.shape[0] != q.shape[0]
+            or (row_first is not None and row_first.shape[0] != q.shape[0])
         ):
             raise ValueError("attention kernel: tile, row range or per-row tensors do not match q")
-        status = self.library.detinf_attention(
+        status = self.library.detinf_attention_window(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
-            block_ids.data_ptr(), block_ids.shape[0], row_table.data_ptr(), row_keys.data_ptr(), first, end,
+            block_ids.data_ptr(), block_ids.shape[0], row_table.data_ptr(), row_keys.data_ptr(),
+            None if row_first is None else row_first.data_ptr(), first, end,
             q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[3], k_cache.shape[0], scale,
             out.data_ptr(), tile,
         )  # fmt: skip
@@ -241,6 +250,11 @@ def load(path: Path) -> NativeKernels:
     library.detinf_attention.restype = ctypes.c_int
     library.detinf_attention.argtypes = [
         pointer, pointer, pointer, ctypes.c_int, pointer, i64, pointer, pointer,
+        i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, pointer, i64,
+    ]  # fmt: skip
+    library.detinf_attention_window.restype = ctypes.c_int
+    library.detinf_attention_window.argtypes = [
+        pointer, pointer, pointer, ctypes.c_int, pointer, i64, pointer, pointer, pointer,
         i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, pointer, i64,
     ]  # fmt: skip
     library.detinf_add_rms_norm.restype = None

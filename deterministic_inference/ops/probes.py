@@ -271,9 +271,11 @@ class AttentionWorld:
         lengths: list[int],
         generator: torch.Generator,
         block_size: int = BLOCK_SIZE,
+        window: int = 0,  # a sliding window of this many keys (0: none)
     ) -> None:
         heads, kv_heads, head_dim = shape
         self.dtype = dtype
+        self.window = window
         self.block_size = block_size
         per_seq = [-(-length // block_size) for length in lengths]
         self.k_cache, self.v_cache = new_kv_cache(sum(per_seq) + 1, block_size, kv_heads, head_dim, dtype)
@@ -301,7 +303,8 @@ class AttentionWorld:
         )
         q = torch.cat([self.queries[seq][start : start + n] for seq, start, n in items])  # [T, H, D]
         ops = select_backend(Numerics(self.dtype, batch_invariant, 4))
-        out = ops.attention(q, (self.k_cache, self.v_cache), meta, q.shape[-1] ** -0.5).view(q.shape)
+        scale = q.shape[-1] ** -0.5
+        out = ops.attention(q, (self.k_cache, self.v_cache), meta, scale, self.window).view(q.shape)
         rows = {}
         for seq_rows, (seq, start, n) in zip(meta.sequences, items, strict=True):
             for r in range(n):
@@ -309,15 +312,21 @@ class AttentionWorld:
         return rows
 
 
+# keys of the window a sliding-window probe uses (it starts inside a block; shorter than the probe)
+PROBED_WINDOW = 37
+
+
 def attention_probe(
-    spec: ModelSpec, ops: OpsBackend, threads: int, generator: torch.Generator
+    spec: ModelSpec, ops: OpsBackend, threads: int, generator: torch.Generator, window: int = 0
 ) -> ProbeResult:
     """Sequence 0's rows: one prefill (one thread) vs chunks, decode alone, decode and prefill beside
-    other sequences."""
+    other sequences. `window` > 0: the model's sliding-window attention, probed with a window of
+    min(window, PROBED_WINDOW) keys so that most rows' windows start inside a block (the same code)."""
     length = 2 * 64 + 7
     shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
     numerics = ops.numerics
-    world = AttentionWorld(shape, numerics.dtype, [length, 3 * 64 + 1, 5], generator)
+    probed = min(window, PROBED_WINDOW)
+    world = AttentionWorld(shape, numerics.dtype, [length, 3 * 64 + 1, 5], generator, window=probed)
     with torch_threads(1):
         reference = world.run([(0, 0, length)], numerics.batch_invariant)
     positions = sorted({0, 1, 15, 16, 17, 63, 64, 65, 128, length - 1})
@@ -329,6 +338,8 @@ def attention_probe(
     plans["decode beside others"] = [[(1, 3 * 64, 1), (0, p, 1), (2, 4, 1)] for p in positions]
     plans["prefill beside another sequence"] = [[(1, 3 * 64 + 1 - length, length), (0, 0, length), (2, 0, 5)]]
     label = f"heads {spec.num_heads}/{spec.num_kv_heads}x{spec.head_dim} {dtype_name(numerics.dtype)}"
+    if window:
+        label += f" window {window} (probed at {probed})"
     compared = 0
     for name, plan in plans.items():
         for items in plan:

@@ -1,6 +1,6 @@
-"""Tiny random models of the architectures beyond Llama/Qwen (Mistral, Phi-3), built locally for tests:
-an HF directory (transformers' config + safetensors) and the same weights as a GGUF file with the tensor
-names and metadata keys llama.cpp's convert_hf_to_gguf.py writes for the architecture.
+"""Tiny random models of the architectures beyond Llama/Qwen (Mistral, Phi-3, Gemma 3), built locally for
+tests: an HF directory (transformers' config + safetensors) and the same weights as a GGUF file with the
+tensor names and metadata keys llama.cpp's convert_hf_to_gguf.py writes for the architecture.
 
 Tokenizer: the byte-level "gpt2" BPE of tests/tiny_models.py; each architecture's chat template is its
 own (stored in the file), so a test can tell that the template comes from the file.
@@ -26,6 +26,9 @@ TEMPLATES = {
     "phi3": "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|im_end|>\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}",
+    "gemma3": "{{ bos_token }}{% for m in messages %}"
+    "{{ '<start_of_turn>' + m['role'] + '\n' + m['content'] }}"
+    "{{ '<end_of_turn>\n' }}{% endfor %}",
 }
 
 
@@ -44,6 +47,17 @@ def _config(architecture: str, vocab_size: int, window: int | None) -> Any:
             tie_word_embeddings=False, original_max_position_embeddings=512, resid_pdrop=0.0,
             embd_pdrop=0.0, attention_dropout=0.0, **common,
         )  # fmt: skip
+    if architecture == "gemma3":
+        rope = {"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}  # fmt: skip
+        layer_types = ["sliding_attention"] * 5 + ["full_attention"]  # llama.cpp's fixed pattern
+        common.update(num_hidden_layers=6, rope_parameters=rope, layer_types=layer_types)
+        del common["rope_theta"]
+        return transformers.Gemma3TextConfig(
+            head_dim=16, query_pre_attn_scalar=16, tie_word_embeddings=True,
+            hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None, attn_logit_softcapping=None,
+            **common,
+        )  # fmt: skip
     raise ValueError(f"no tiny {architecture} builder")
 
 
@@ -56,14 +70,19 @@ def build_arch_hf(
 
     tokenizer = build_tokenizer()
     config = _config(architecture, tokenizer.get_vocab_size(with_added_tokens=True), window)
-    classes = {"mistral": transformers.MistralForCausalLM, "phi3": transformers.Phi3ForCausalLM}
+    classes = {
+        "mistral": transformers.MistralForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
+        "gemma3": transformers.Gemma3ForCausalLM,
+    }
     torch.manual_seed(seed)
     model = classes[architecture](config).to(torch.float32).eval()
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for param in model.parameters():
-            if param.dim() == 1:
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            if param.dim() == 1:  # Gemma's norms multiply by 1 + w: around 1 either way
+                base = 0.0 if architecture == "gemma3" else 1.0
+                param.copy_(base + 0.1 * torch.randn(param.shape, generator=generator))
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory), safe_serialization=True)
     tokenizer.save(str(directory / "tokenizer.json"))
@@ -87,11 +106,19 @@ _LAYER = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.gate_up_proj.weight": "ffn_up.weight",  # llama.cpp maps phi3's fused gate_up to ffn_up
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
+# Gemma's norms (llama.cpp's gemma2/gemma3 names; ffn_norm is the pre-feedforward norm there)
+_GEMMA_LAYER = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}  # fmt: skip
 # HF architecture -> GGUF general.architecture (convert_hf_to_gguf: Mistral is written as llama)
-_GGUF_ARCH = {"mistral": "llama", "phi3": "phi3"}
+_GGUF_ARCH = {"mistral": "llama", "phi3": "phi3", "gemma3": "gemma3"}
 
 
 def write_arch_gguf(reference: TinyModel, path: Path, quant: str = "F32") -> Path:
@@ -109,9 +136,14 @@ def write_arch_gguf(reference: TinyModel, path: Path, quant: str = "F32") -> Pat
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads if arch == "phi3" else cfg.head_dim
+    writer.add_rope_dimension_count(head_dim)
+    if arch == "gemma3":  # convert_hf_to_gguf writes the head dim for Gemma, not for Phi-3 / Llama
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     if reference.architecture == "phi3":
         writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
     writer.add_sliding_window(cfg.sliding_window or 0)  # convert_hf_to_gguf writes it for phi3
@@ -123,10 +155,13 @@ def write_arch_gguf(reference: TinyModel, path: Path, quant: str = "F32") -> Pat
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             array = permute_for_gguf(array, heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            array = array + 1.0  # the converter stores Gemma's 1 + w
         target = _GLOBAL.get(name)
         if target is None:
             _, _, layer, rest = name.split(".", 3)
-            target = f"blk.{layer}.{_LAYER[rest]}"
+            names = {**_LAYER, **_GEMMA_LAYER} if arch == "gemma3" else _LAYER
+            target = f"blk.{layer}.{names[rest]}"
         _add(writer, target, array, quant)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

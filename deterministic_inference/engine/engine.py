@@ -97,7 +97,7 @@ class Engine:
             self.model_digest = digest.result()
         self.fingerprint = fingerprint.engine_fingerprint(
             self.model_digest,
-            config.numerics(self.dtype_name, self.model.weight_formats),
+            config.numerics(self.dtype_name, self.model.weight_formats, self.model.model_ops),
             portable=self.model.ops.portable,
         )
         self.system_fingerprint = fingerprint.system_fingerprint(self.fingerprint)

@@ -118,7 +118,9 @@ def swap_weights(engine: Engine, weights: Mapping[str, torch.Tensor], param: str
     # every check and the build passed: swap
     engine.loaded, engine.model, engine.runner.model, engine.model_digest = loaded, model, model, digest
     engine.fingerprint = fingerprint.engine_fingerprint(
-        digest, engine.config.numerics(engine.dtype_name, model.weight_formats), portable=model.ops.portable
+        digest,
+        engine.config.numerics(engine.dtype_name, model.weight_formats, model.model_ops),
+        portable=model.ops.portable,
     )
     engine.system_fingerprint = fingerprint.system_fingerprint(engine.fingerprint)
     engine.kv.hash_extra = engine.system_fingerprint  # prefix-cache keys carry the fingerprint

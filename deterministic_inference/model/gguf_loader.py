@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from deterministic_inference.errors import ModelLoadError, UnsupportedArchitectureError
+from deterministic_inference.model.gemma import GGUF_GEMMA_LAYER, gguf_gemma_fields
 from deterministic_inference.model.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from deterministic_inference.model.gguf_tokenizer import build_gguf_tokenizer
 from deterministic_inference.model.moe_loading import (
@@ -230,6 +231,8 @@ def _spec(
     context = _int(path, meta, f"{arch}.context_length")
     window = _int(path, meta, f"{arch}.attention.sliding_window", 0)
     moe = gguf_moe_fields(path, meta, architecture, arch, tensors)
+    layers = _int(path, meta, f"{arch}.block_count")
+    gemma = gguf_gemma_fields(path, meta, arch, head_dim, layers) if arch == "gemma3" else {}
     if moe and architecture == "llama":
         architecture = "mixtral"
     return ModelSpec(
@@ -237,7 +240,7 @@ def _spec(
         vocab_size=int(embedding.shape[0]),
         hidden_size=hidden,
         intermediate_size=_int(path, meta, f"{arch}.feed_forward_length", moe.get("moe_intermediate_size")),
-        num_layers=_int(path, meta, f"{arch}.block_count"),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=_int(path, meta, f"{arch}.attention.head_count_kv", heads),
         head_dim=head_dim,
@@ -250,6 +253,7 @@ def _spec(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
         sliding_window=window if 0 < window < context else 0,  # a window no sequence can cross is none
+        **gemma,
         **moe,
     )
 
@@ -270,7 +274,11 @@ def _hf_weights(
 ) -> dict[str, StoredWeight]:
     weights: dict[str, StoredWeight] = {}
     for name, tensor in tensors.items():
-        target = hf_name(name)
+        layer = _LAYER_TENSOR.match(name)
+        if spec.is_gemma and layer and layer.group(2) in GGUF_GEMMA_LAYER:  # its norms are named otherwise
+            target: str | None = f"model.layers.{layer.group(1)}.{GGUF_GEMMA_LAYER[layer.group(2)]}"
+        else:
+            target = hf_name(name)
         if target is None:
             raise ModelLoadError(
                 f"{path}: tensor {name} has no place in a {spec.architecture} model (unsupported variant?)"

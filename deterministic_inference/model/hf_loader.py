@@ -10,6 +10,7 @@ import tokenizers
 import torch
 
 from deterministic_inference.errors import ModelLoadError, UnsupportedArchitectureError
+from deterministic_inference.model.gemma import gemma3_window_layers, hf_gemma_fields, plus_one_norms
 from deterministic_inference.model.moe_loading import hf_moe_fields, hf_moe_weights
 from deterministic_inference.model.spec import SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
 from deterministic_inference.model.tokenizer import Tokenizer, end_of_turn_ids
@@ -26,6 +27,8 @@ _ARCHITECTURES = {
     "mixtral": "mixtral",
     "phi3": "phi3",
     "Phi3ForCausalLM": "phi3",
+    "gemma3_text": "gemma3",
+    "Gemma3ForCausalLM": "gemma3",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -65,6 +68,8 @@ def load_hf(path: Path) -> tuple[ModelSpec, dict[str, StoredWeight], Tokenizer, 
     weights: dict[str, StoredWeight] = dict(_load_weights(weight_files))
     tokenizer, tokenizer_files = _load_tokenizer(path, config)
     spec = _spec(config_path, config, arch, weights, tokenizer)
+    if spec.is_gemma:
+        plus_one_norms(weights)
     if spec.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     elif "lm_head.weight" not in weights:
@@ -84,7 +89,7 @@ def _architecture(config_path: Path, config: dict[str, Any]) -> str:
     raise UnsupportedArchitectureError(
         f"{config_path}: architecture {shown!r} is not supported; supported: "
         f"{', '.join(SUPPORTED_ARCHITECTURES)} (HF model types: llama, mistral, qwen2, qwen3, qwen2_moe, "
-        "qwen3_moe, mixtral, phi3)"
+        "qwen3_moe, mixtral, phi3, gemma3_text)"
     )
 
 
@@ -168,10 +173,16 @@ def _spec(
         hidden = int(_field(config_path, config, "hidden_size"))
         heads = int(_field(config_path, config, "num_attention_heads"))
         max_positions = int(_field(config_path, config, "max_position_embeddings"))
-        theta, scaling = _rope(config_path, config)
-        _check_variant(config_path, config)
         layers = int(_field(config_path, config, "num_hidden_layers"))
         window, window_layers = _sliding_window(config_path, config, layers, max_positions)
+        gemma: dict[str, Any] = {}
+        if arch == "gemma3":
+            gemma = hf_gemma_fields(config_path, config)
+            window_layers = window_layers or gemma3_window_layers(layers)
+            theta, scaling = gemma.pop("rope_theta"), None
+        else:
+            theta, scaling = _rope(config_path, config)
+            _check_variant(config_path, config)
         return ModelSpec(
             architecture=arch,
             vocab_size=int(_field(config_path, config, "vocab_size")),
@@ -192,6 +203,7 @@ def _spec(
             eos_token_ids=tokenizer.eos_token_ids,
             sliding_window=window,
             window_layers=window_layers,
+            **gemma,
             **hf_moe_fields(config_path, config, arch),
         )
     except (TypeError, ValueError, ZeroDivisionError) as exc:

@@ -86,6 +86,9 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (q_rows,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_rows,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_rows,)
+        if spec.is_gemma:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (spec.hidden_size,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (spec.hidden_size,)
         if spec.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (spec.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (spec.head_dim,)

@@ -29,7 +29,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "phi3")
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "phi3",
+    "gemma3",
+    "gemma2",
+)
+GEMMA_ARCHITECTURES = ("gemma3", "gemma2")  # model/gemma.py: sandwich norms, GeGLU, scaled embedding
 FUSED_PROJECTION_ARCHITECTURES = ("phi3",)  # qkv_proj and gate_up_proj stored fused
 MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
 
@@ -74,12 +85,25 @@ class ModelSpec:
     # Sliding-window attention: a windowed layer's token at position p sees keys p - sliding_window + 1..p
     sliding_window: int = 0  # 0: none (every layer sees every earlier key)
     window_layers: tuple[bool, ...] = ()  # per layer, whether it is windowed; () = every layer
+    # Gemma (model/gemma.py)
+    rope_local_theta: float = 0.0  # rope base of the windowed layers (0: rope_theta)
+    query_pre_attn_scalar: float = 0.0  # attention scale = this ** -0.5 (0: head_dim)
+    attn_logit_softcapping: float = 0.0  # scores -> tanh(s / c) * c before the softmax (0: none)
+    final_logit_softcapping: float = 0.0  # logits -> tanh(l / c) * c (0: none)
 
     def layer_window(self, index: int) -> int:
         """The sliding window of layer `index` in keys (0: the layer sees every earlier key)."""
-        if self.sliding_window <= 0 or (self.window_layers and not self.window_layers[index]):
-            return 0
-        return self.sliding_window
+        return self.sliding_window if self.is_local_layer(index) else 0
+
+    def is_local_layer(self, index: int) -> bool:
+        """Whether layer `index` is one of the windowed ("sliding_attention") kind, which Gemma also
+        rotates with its local rope base; () window_layers: every layer when there is a window."""
+        return self.window_layers[index] if self.window_layers else self.sliding_window > 0
+
+    @property
+    def is_gemma(self) -> bool:
+        """True for the Gemma family's block (model/gemma.py)."""
+        return self.architecture in GEMMA_ARCHITECTURES
 
     @property
     def fused_projections(self) -> bool:

@@ -104,6 +104,14 @@ class OpsBackend(Protocol):
         """gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]."""
         ...
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2I] (gate then up) -> gelu_tanh(gate) * up [T, I] (GeGLU)."""
+        ...
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        """fp32 x -> tanh(x / cap) * cap (Gemma 2's logit soft-capping), a new fp32 tensor."""
+        ...
+
     def moe_route(self, logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits [T, E] fp32 -> (top-k expert ids [T, k] int64 ascending, weights [T, k] fp32);
         `normalize`: softmax over the chosen experts (else their full-softmax probabilities)."""
@@ -202,6 +210,14 @@ class NativeBackend:
         """Elementwise in fp32 with the kernels' own exp: each element a function of its inputs only."""
         return self.kernels.silu_mul(gate_up)
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Elementwise in fp32 with the kernels' own tanh (csrc/rowwise.c): each element from its inputs."""
+        return self.kernels.gelu_tanh_mul(gate_up)
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        """Elementwise with the kernels' own tanh: the same bits on every CPU."""
+        return self.kernels.softcap(x, cap)
+
     def moe_route(self, logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The compiled router: per token, from its own logits only (ties to the lower expert index)."""
         return route_native(self.kernels, logits, k, normalize)
@@ -292,6 +308,13 @@ class TorchBackend:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         inter = gate_up.shape[1] // 2
         return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        inter = gate_up.shape[1] // 2
+        return F.gelu(gate_up[:, :inter], approximate="tanh") * gate_up[:, inter:]
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        return torch.tanh(x / cap) * cap
 
     def moe_route(self, logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return route_torch(logits, k, normalize)

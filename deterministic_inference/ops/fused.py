@@ -134,6 +134,7 @@ class FusedDecoder:
             dtype, mlp = layer.ops.numerics.dtype, layer.mlp
             if (
                 layer.ops.name != "native"
+                or not layer.fusable
                 or layer.q_norm is not None
                 or layer.window > 0  # sliding windows take the per-op path
                 or not isinstance(mlp, GatedMLP)  # mixture-of-experts layers take the per-op path

@@ -108,6 +108,27 @@ class NativeKernels:
         )
         return out
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [M, 2I] (gate then up) -> gelu_tanh(gate) * up [M, I] (GeGLU), elementwise in fp32 with
+        the kernels' own tanh, model dtype out."""
+        _check_activations((gate_up,), gate_up.dtype)
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise ValueError("gelu_tanh_mul: gate_up must be [M, 2 * intermediate]")
+        out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
+        bf16 = int(gate_up.dtype == torch.bfloat16)
+        self.library.detinf_gelu_tanh_mul(
+            gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1], bf16
+        )
+        return out
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        """tanh(x / cap) * cap of fp32 `x` (any shape) -> a new fp32 tensor; elementwise."""
+        if x.dtype != torch.float32:
+            raise ValueError("softcap: x must be fp32")
+        out = x.contiguous().clone()
+        self.library.detinf_softcap(out.data_ptr(), out.numel(), cap)
+        return out
+
     def rotary_write_kv(
         self,
         qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] model dtype
@@ -270,6 +291,10 @@ def load(path: Path) -> NativeKernels:
     ]
     library.detinf_silu_mul.restype = None
     library.detinf_silu_mul.argtypes = [pointer, pointer, i64, i64, ctypes.c_int]
+    library.detinf_gelu_tanh_mul.restype = None
+    library.detinf_gelu_tanh_mul.argtypes = [pointer, pointer, i64, i64, ctypes.c_int]
+    library.detinf_softcap.restype = None
+    library.detinf_softcap.argtypes = [pointer, i64, ctypes.c_float]
     library.detinf_rotary_write_kv.restype = ctypes.c_int
     library.detinf_rotary_write_kv.argtypes = [pointer] * 9 + [i64] * 7 + [ctypes.c_int]
     library.detinf_pack_bf16.restype = None

@@ -149,8 +149,17 @@ def elementwise_probes(
             _rows(2 * width, dtype, generator),
         )
     }
+    activation, act_name = (
+        (ops.gelu_tanh_mul, "gelu_tanh_mul") if spec.is_gemma else (ops.silu_mul, "silu_mul")
+    )
     for inter in mlp_widths(spec):
-        probes[f"silu_mul [M, {inter}] {name}"] = (ops.silu_mul, 3 * _rows(2 * inter, dtype, generator))
+        probes[f"{act_name} [M, {inter}] {name}"] = (activation, 3 * _rows(2 * inter, dtype, generator))
+    if spec.final_logit_softcapping:
+        cap = spec.final_logit_softcapping
+        probes[f"softcap [M, {spec.vocab_size}] cap {cap:g} fp32"] = (
+            lambda x: ops.softcap(x, cap),
+            4 * cap * _rows(spec.vocab_size, torch.float32, generator),
+        )
     probes |= {
         f"rotary [M, qkv {spec.num_heads}+2x{spec.num_kv_heads}x{spec.head_dim}] {name}": (
             rotary_fn(ops, spec),

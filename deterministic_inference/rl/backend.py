@@ -180,6 +180,12 @@ class TrainableBackend:
         out: torch.Tensor = functions.AttentionFn.apply(kernel, meta, scale, q, k, v)
         return out
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("the trainable backend has no GELU-tanh MLP (its backward)")
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        raise NotImplementedError("the trainable backend has no logit soft-capping (its backward)")
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = functions.SiluMulFn.apply(self.native.silu_mul, gate_up)
         return out

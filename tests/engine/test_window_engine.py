@@ -1,7 +1,8 @@
-"""Engine-level invariance of sliding-window models (tiny random Mistral from its HF directory, Phi-3 from a
-Q8_0 GGUF file; window 24 keys, KV blocks of 16): the window's edge crosses chunk boundaries (budgets 7, 16,
-64), block boundaries and prefix-cache hits, and a prompt's tokens and logprob bits stay those of the
-prompt alone. Negative control: the same cases with plain ops differ somewhere."""
+"""Engine-level invariance of sliding-window models (tiny random Mistral from its HF directory, Phi-3 and
+Gemma 3 from Q8_0 GGUF files; window 24 keys, KV blocks of 16): the window's edge crosses chunk
+boundaries (budgets 7, 16, 64), block boundaries and prefix-cache hits, and a prompt's tokens and
+logprob bits stay those of the prompt alone. Negative control: the same cases with plain ops differ
+somewhere."""
 
 from __future__ import annotations
 
@@ -30,6 +31,13 @@ def phi3_q8(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     return load_model(str(write_arch_gguf(tiny, directory / "tiny-phi3.Q8_0.gguf", quant="Q8_0")))
 
 
+@pytest.fixture(scope="module")
+def gemma3_q8(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    directory = tmp_path_factory.mktemp("gemma3")
+    tiny = build_arch_hf(directory / "hf", "gemma3")
+    return load_model(str(write_arch_gguf(tiny, directory / "tiny-gemma3.Q8_0.gguf", quant="Q8_0")))
+
+
 @pytest.fixture
 def restore_threads() -> Iterator[None]:
     before = torch.get_num_threads()
@@ -44,8 +52,8 @@ def target_prompt(loaded: LoadedModel) -> list[int]:
 
 @pytest.mark.parametrize(
     ("fixture", "dtype", "params"),
-    [("mistral", "float32", GREEDY), ("phi3_q8", "bfloat16", SEEDED)],
-    ids=["mistral-hf-fp32-greedy", "phi3-gguf-q8_0-bf16-seeded"],
+    [("mistral", "float32", GREEDY), ("phi3_q8", "bfloat16", SEEDED), ("gemma3_q8", "bfloat16", GREEDY)],
+    ids=["mistral-hf-fp32-greedy", "phi3-gguf-q8_0-bf16-seeded", "gemma3-gguf-q8_0-bf16-greedy"],
 )
 def test_prompt_alone_equals_prompt_in_any_batch(
     fixture: str, dtype: str, params: object, request: pytest.FixtureRequest, restore_threads: None
@@ -70,7 +78,7 @@ def test_negative_control_plain_ops_differ(mistral: LoadedModel, restore_threads
     assert differing, "plain ops gave identical bits everywhere: the invariance test cannot fail"
 
 
-@pytest.mark.parametrize("fixture", ["mistral", "phi3_q8"])
+@pytest.mark.parametrize("fixture", ["mistral", "phi3_q8", "gemma3_q8"])
 def test_prefix_cache_hits_across_the_window_equal_misses(
     fixture: str, request: pytest.FixtureRequest
 ) -> None:
@@ -86,8 +94,16 @@ def test_prefix_cache_hits_across_the_window_equal_misses(
     assert cold == reference and warm == reference
 
 
-def test_selfcheck_probes_the_window(mistral: LoadedModel) -> None:
-    report = Engine(EngineConfig(threads=2, dtype="float32"), loaded=mistral).selfcheck_report
+def test_selfcheck_probes_the_window_and_gelu(gemma3_q8: LoadedModel) -> None:
+    """Both attentions (global and windowed) and the GELU-tanh MLP are probed; the fingerprint names them."""
+    engine = Engine(EngineConfig(threads=2, dtype="float32"), loaded=gemma3_q8)
+    report = engine.selfcheck_report
     assert report is not None and report.ok, report and report.table()
     shapes = [r.shape for r in report.results if r.op == "attention"]
-    assert any(f"window {WINDOW} (probed at {WINDOW})" in shape for shape in shapes), shapes
+    assert len(shapes) == 2 and any(f"window {WINDOW} (probed at {WINDOW})" in s for s in shapes), shapes
+    assert [r.shape for r in report.results if r.op == "gelu_tanh_mul"] == ["[M, 128] fp32"]
+    assert engine.fingerprint["numerics"]["model_ops"] == [
+        "gelu_tanh_mul",
+        "gemma_block",
+        "sliding_window_attention",
+    ]

@@ -1,6 +1,7 @@
-"""Mistral and Phi-3 against transformers: tiny random models with a sliding window of 24 keys (crossed by
-every prompt here), loaded from their HF directory and from a GGUF file written with llama.cpp's tensor
-names and keys (Mistral as `llama`, Phi-3 as `phi3` with fused attn_qkv / ffn_up).
+"""Mistral, Phi-3 and Gemma 3 against transformers: tiny random models with a sliding window of 24 keys
+(crossed by every prompt here; Gemma 3: five windowed layers with a local rope base, then a global one),
+loaded from their HF directory and from a GGUF file written with llama.cpp's tensor names and keys
+(Mistral as `llama`, Phi-3 as `phi3` with fused attn_qkv / ffn_up, Gemma 3 as `gemma3` with 1 + w norms).
 
 Tolerance (fp32 model, both backends): |ours - HF| <= 3e-5 + 1e-5 |HF| per logit, the bound the Llama and
 MoE numerics tests use: the same operations in another summation order differ by a few ulps per op.
@@ -24,7 +25,7 @@ from tests.arch_models import TEMPLATES, WINDOW, build_arch_hf, write_arch_gguf
 from tests.model.test_llama_numerics import prefill_logits
 from tests.tiny_models import TinyModel
 
-ARCHITECTURES = ["mistral", "phi3"]
+ARCHITECTURES = ["mistral", "phi3", "gemma3"]
 RTOL, ATOL = 1e-5, 3e-5
 
 
@@ -139,3 +140,20 @@ def test_unimplemented_phi3_variants_are_refused(
     _edit_config(tiny.path, **changes)
     with pytest.raises(ModelLoadError, match=message):
         load_model(str(tiny.path))
+
+
+def test_gemma3_spec_and_fingerprint_ops(tiny_arch: TinyModel) -> None:
+    """Gemma 3's own fields are read, and the model names the ops it adds (the fingerprint lists them)."""
+    loaded = load_model(str(tiny_arch.path))
+    model = DecoderModel(loaded.spec, loaded.weights, Numerics(torch.float32, True, 8), 512)
+    assert model.fused is None  # windowed / Gemma layers take the per-op path
+    if tiny_arch.architecture != "gemma3":
+        assert model.model_ops == ("sliding_window_attention",)
+        return
+    spec = loaded.spec
+    assert (spec.rope_theta, spec.rope_local_theta, spec.query_pre_attn_scalar) == (1e6, 1e4, 16.0)
+    assert spec.window_layers == (True,) * 5 + (False,)
+    assert model.model_ops == ("gelu_tanh_mul", "gemma_block", "sliding_window_attention")
+    numerics = EngineConfig().numerics("float32", model.weight_formats, model.model_ops)
+    assert numerics["model_ops"] == list(model.model_ops)
+    assert "model_ops" not in EngineConfig().numerics("float32", model.weight_formats)

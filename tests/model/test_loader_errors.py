@@ -125,7 +125,9 @@ def test_weights_not_matching_config(tiny_llama_dir: TinyModel, tmp_path: Path) 
         load_model(str(path))
 
 
-def test_sliding_window_is_read_and_bad_layer_types_refused(tiny_llama_dir: TinyModel, tmp_path: Path) -> None:
+def test_sliding_window_is_read_and_bad_layer_types_refused(
+    tiny_llama_dir: TinyModel, tmp_path: Path
+) -> None:
     """Mistral's window is implemented (tests/model/test_architectures.py); one no sequence can cross is
     none; Qwen's only under use_sliding_window; layer_types must name every layer."""
     path = _copy(tiny_llama_dir, tmp_path / "m")

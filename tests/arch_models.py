@@ -1,6 +1,6 @@
-"""Tiny random models of the architectures beyond Llama/Qwen (Mistral, Phi-3, Gemma 3), built locally for
-tests: an HF directory (transformers' config + safetensors) and the same weights as a GGUF file with the
-tensor names and metadata keys llama.cpp's convert_hf_to_gguf.py writes for the architecture.
+"""Tiny random models of the architectures beyond Llama/Qwen (Mistral, Phi-3, Gemma 3, Gemma 2), built
+locally for tests: an HF directory (transformers' config + safetensors) and the same weights as a GGUF
+file with the tensor names and metadata keys llama.cpp's convert_hf_to_gguf.py writes for the architecture.
 
 Tokenizer: the byte-level "gpt2" BPE of tests/tiny_models.py; each architecture's chat template is its
 own (stored in the file), so a test can tell that the template comes from the file.
@@ -29,7 +29,10 @@ TEMPLATES = {
     "gemma3": "{{ bos_token }}{% for m in messages %}"
     "{{ '<start_of_turn>' + m['role'] + '\n' + m['content'] }}"
     "{{ '<end_of_turn>\n' }}{% endfor %}",
+    "gemma2": "{% for m in messages %}{{ '<start_of_turn>' + m['role'] + '\n' + m['content'] }}{% endfor %}",
 }
+# Gemma 2's soft caps, small so that the tiny model's scores and logits are visibly capped (real: 50, 30)
+ATTN_SOFTCAP, FINAL_SOFTCAP = 0.05, 0.3
 
 
 def _config(architecture: str, vocab_size: int, window: int | None) -> Any:
@@ -58,6 +61,13 @@ def _config(architecture: str, vocab_size: int, window: int | None) -> Any:
             hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None, attn_logit_softcapping=None,
             **common,
         )  # fmt: skip
+    if architecture == "gemma2":
+        common.update(num_hidden_layers=4)  # layers 0, 2 windowed, 1, 3 global (llama.cpp's pattern)
+        return transformers.Gemma2Config(
+            head_dim=16, query_pre_attn_scalar=16, tie_word_embeddings=True,
+            hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=ATTN_SOFTCAP,
+            final_logit_softcapping=FINAL_SOFTCAP, **common,
+        )  # fmt: skip
     raise ValueError(f"no tiny {architecture} builder")
 
 
@@ -74,6 +84,7 @@ def build_arch_hf(
         "mistral": transformers.MistralForCausalLM,
         "phi3": transformers.Phi3ForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
+        "gemma2": transformers.Gemma2ForCausalLM,
     }
     torch.manual_seed(seed)
     model = classes[architecture](config).to(torch.float32).eval()
@@ -81,7 +92,7 @@ def build_arch_hf(
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() == 1:  # Gemma's norms multiply by 1 + w: around 1 either way
-                base = 0.0 if architecture == "gemma3" else 1.0
+                base = 0.0 if architecture.startswith("gemma") else 1.0
                 param.copy_(base + 0.1 * torch.randn(param.shape, generator=generator))
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory), safe_serialization=True)
@@ -118,7 +129,7 @@ _GEMMA_LAYER = {
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}  # fmt: skip
 # HF architecture -> GGUF general.architecture (convert_hf_to_gguf: Mistral is written as llama)
-_GGUF_ARCH = {"mistral": "llama", "phi3": "phi3", "gemma3": "gemma3"}
+_GGUF_ARCH = {"mistral": "llama", "phi3": "phi3", "gemma3": "gemma3", "gemma2": "gemma2"}
 
 
 def write_arch_gguf(reference: TinyModel, path: Path, quant: str = "F32") -> Path:
@@ -141,9 +152,13 @@ def write_arch_gguf(reference: TinyModel, path: Path, quant: str = "F32") -> Pat
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     head_dim = cfg.hidden_size // cfg.num_attention_heads if arch == "phi3" else cfg.head_dim
     writer.add_rope_dimension_count(head_dim)
-    if arch == "gemma3":  # convert_hf_to_gguf writes the head dim for Gemma, not for Phi-3 / Llama
+    gemma = arch.startswith("gemma")
+    if gemma:  # convert_hf_to_gguf writes the head dim for Gemma, not for Phi-3 / Llama
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if reference.architecture == "phi3":
         writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
     writer.add_sliding_window(cfg.sliding_window or 0)  # convert_hf_to_gguf writes it for phi3
@@ -155,12 +170,12 @@ def write_arch_gguf(reference: TinyModel, path: Path, quant: str = "F32") -> Pat
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             array = permute_for_gguf(array, heads)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if gemma and name.endswith("norm.weight"):
             array = array + 1.0  # the converter stores Gemma's 1 + w
         target = _GLOBAL.get(name)
         if target is None:
             _, _, layer, rest = name.split(".", 3)
-            names = {**_LAYER, **_GEMMA_LAYER} if arch == "gemma3" else _LAYER
+            names = {**_LAYER, **_GEMMA_LAYER} if gemma else _LAYER
             target = f"blk.{layer}.{names[rest]}"
         _add(writer, target, array, quant)
     writer.write_header_to_file()

@@ -106,6 +106,8 @@ def swap_weights(engine: Engine, weights: Mapping[str, torch.Tensor], param: str
             f"update_weights: {engine.num_unfinished_requests} requests are still in flight; let them "
             "finish (or abort them) before changing the weights"
         )
+    if engine.spec.is_gemma:  # its HF norms need the loader's 1 + w, which an update does not apply yet
+        raise InvalidRequestError(f"{param}: weight updates are not supported for Gemma models", param=param)
     dtype = DTYPES[engine.dtype_name]
     # as the engine computes them: its dtype, contiguous
     dense = {

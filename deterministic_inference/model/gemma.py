@@ -1,13 +1,14 @@
-"""The Gemma 3 (text) block, and what its loaders need to know about Gemma files.
+"""The Gemma 2 and Gemma 3 (text) block, and what its loaders need to know about Gemma files.
 
-Wiring, per layer (HF Gemma3DecoderLayer; every norm an RMSNorm with fp32 statistics):
+Wiring, per layer (HF Gemma3DecoderLayer / Gemma2DecoderLayer; every norm an RMSNorm with fp32 statistics):
 
-    h   = x + post_attention_norm(attention(input_norm(x)))      q/k RMS-normed per head before rotary
+    h   = x + post_attention_norm(attention(input_norm(x)))      Gemma 3: q/k RMS-normed per head
     out = h + post_feedforward_norm(down(gelu_tanh(gate(n)) * up(n)))    n = pre_feedforward_norm(h)
 
 - the embedding is scaled by sqrt(hidden) (model/llama.py `DecoderModel`);
 - attention scores are scaled by query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5);
-- windowed ("sliding_attention") layers rotate with rope_local_base_freq, the others with rope_theta.
+- Gemma 3: windowed ("sliding_attention") layers rotate with rope_local_base_freq, the others rope_theta;
+- Gemma 2: attention scores soft-capped (tanh(s / c) * c) before the softmax, and the final logits too.
 
 Norm weights: HF stores w and computes x * (1 + w); llama.cpp's converter stores 1 + w. Both loaders give
 the block 1 + w, computed in fp32 from the HF file (`plus_one_norms`), as stored from a GGUF file.
@@ -23,6 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from deterministic_inference.errors import ModelLoadError
@@ -43,7 +45,7 @@ GGUF_GEMMA_LAYER = {
 
 
 class GemmaLayer(DecoderLayer):
-    """One Gemma 3 block (see the module docstring)."""
+    """One Gemma 2 / Gemma 3 block (see the module docstring)."""
 
     fusable = False
 
@@ -71,7 +73,8 @@ class GemmaLayer(DecoderLayer):
         normed, hidden = ops.add_rms_norm(hidden, pending, self.input_norm, eps)
         qkv = self._qk_normed(self.qkv(normed))  # [T, (H + 2*KVH) * D]
         q = ops.rotary_write_kv(qkv, positions, rotary, meta, kv_cache, spec.num_heads)  # [T, H, D]
-        attended = self.o_proj(ops.attention(q, kv_cache, meta, self.scale, self.window))  # [T, hidden]
+        cap = spec.attn_logit_softcapping
+        attended = self.o_proj(ops.attention(q, kv_cache, meta, self.scale, self.window, cap))  # [T, hidden]
         delta = ops.rms_norm(attended, self.post_attention_norm, eps)
         normed, hidden = ops.add_rms_norm(hidden, delta, self.pre_feedforward_norm, eps)
         return hidden, ops.rms_norm(self.mlp(normed), self.post_feedforward_norm, eps)
@@ -84,52 +87,66 @@ def plus_one_norms(weights: dict[str, StoredWeight]) -> None:
             weights[name] = weight.float() + 1.0
 
 
-def hf_gemma_fields(config_path: Path, config: dict[str, Any]) -> dict[str, Any]:
-    """The Gemma 3 spec fields of an HF text config (Gemma3ForCausalLM / model_type gemma3_text)."""
+def hf_gemma_fields(config_path: Path, config: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The Gemma spec fields of an HF text config (Gemma3ForCausalLM / gemma3_text, Gemma2ForCausalLM)."""
     activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
     if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ModelLoadError(
             f"{config_path}: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)"
         )
-    if config.get("attn_logit_softcapping") or config.get("final_logit_softcapping"):
-        raise ModelLoadError(f"{config_path}: Gemma 3 with logit soft-capping is not supported")
+    if config.get("rope_scaling"):
+        raise ModelLoadError(f"{config_path}: Gemma rope_scaling is not supported (default rope only)")
     params = config.get("rope_parameters") or {}
-    full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    if arch == "gemma3":
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    else:
+        full, local = params, {}
     for kind, rope in (("full_attention", full), ("sliding_attention", local)):
         if rope.get("rope_type", "default") != "default":
             raise ModelLoadError(
-                f"{config_path}: rope_parameters.{kind}.rope_type {rope['rope_type']!r} is not supported "
+                f"{config_path}: rope_parameters ({kind}) rope_type {rope['rope_type']!r} is not supported "
                 "(default only)"
             )
-    if config.get("rope_scaling"):
-        raise ModelLoadError(f"{config_path}: Gemma 3 rope_scaling is not supported (default rope only)")
+    theta = float(
+        full.get("rope_theta", config.get("rope_theta", 1_000_000.0 if arch == "gemma3" else 10_000.0))
+    )
+    local_theta = (
+        float(local.get("rope_theta", config.get("rope_local_base_freq", 10_000.0))) if local else 0.0
+    )
     return {
-        "rope_theta": float(full.get("rope_theta", config.get("rope_theta", 1_000_000.0))),
-        "rope_local_theta": float(local.get("rope_theta", config.get("rope_local_base_freq", 10_000.0))),
+        "rope_theta": theta,
+        "rope_local_theta": local_theta if arch == "gemma3" else 0.0,
         "query_pre_attn_scalar": float(config.get("query_pre_attn_scalar") or config.get("head_dim") or 256),
+        "attn_logit_softcapping": float(config.get("attn_logit_softcapping") or 0.0),
+        "final_logit_softcapping": float(config.get("final_logit_softcapping") or 0.0),
     }
 
 
-def gemma3_window_layers(layers: int) -> tuple[bool, ...]:
-    """llama.cpp's Gemma 3 pattern (the layer_types HF writes for it): every 6th layer global."""
-    return tuple((i + 1) % GEMMA3_GLOBAL_EVERY != 0 for i in range(layers))
+def gemma_window_layers(arch: str, layers: int) -> tuple[bool, ...]:
+    """llama.cpp's fixed patterns (the layer_types HF writes for them): Gemma 3 every 6th layer global,
+    Gemma 2 every 2nd."""
+    every = GEMMA3_GLOBAL_EVERY if arch == "gemma3" else 2
+    return tuple((i + 1) % every != 0 for i in range(layers))
 
 
 def gguf_gemma_fields(
     path: Path, meta: dict[str, Any], arch: str, head_dim: int, layers: int
 ) -> dict[str, Any]:
-    """The Gemma 3 spec fields of a GGUF file, as llama.cpp reads it: windowed layers by its fixed pattern
-    with a local rope base of 10000, the attention scale 1/sqrt(head_dim) (1/sqrt(hidden / heads) for the
-    62-layer 27B model)."""
+    """The Gemma spec fields of a GGUF file, as llama.cpp reads it: windowed layers by its fixed pattern
+    (Gemma 3: local rope base 10000), soft-capping from gemma2.*_logit_softcapping, the attention scale
+    1/sqrt(head_dim) (1/sqrt(hidden / heads) for the 27B models: 62 layers Gemma 3, 46 Gemma 2)."""
     if meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
         raise ModelLoadError(
-            f"{path}: {arch}.rope.scaling.type is not supported for Gemma 3 (default rope only)"
+            f"{path}: {arch}.rope.scaling.type is not supported for Gemma (default rope only)"
         )
     scalar = float(head_dim)
-    if layers == 62:
+    if layers == (62 if arch == "gemma3" else 46):
         scalar = float(meta[f"{arch}.embedding_length"]) / float(meta[f"{arch}.attention.head_count"])
     return {
-        "rope_local_theta": 10_000.0,
+        "rope_local_theta": 10_000.0 if arch == "gemma3" else 0.0,
         "query_pre_attn_scalar": scalar,
-        "window_layers": gemma3_window_layers(layers),
+        "window_layers": gemma_window_layers(arch, layers),
+        # float32 values as their shortest decimals (0.3, not 0.30000001): the HF spec's numbers
+        "attn_logit_softcapping": float(str(np.float32(meta.get(f"{arch}.attn_logit_softcapping", 0.0)))),
+        "final_logit_softcapping": float(str(np.float32(meta.get(f"{arch}.final_logit_softcapping", 0.0)))),
     }

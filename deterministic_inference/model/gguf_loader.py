@@ -232,7 +232,7 @@ def _spec(
     window = _int(path, meta, f"{arch}.attention.sliding_window", 0)
     moe = gguf_moe_fields(path, meta, architecture, arch, tensors)
     layers = _int(path, meta, f"{arch}.block_count")
-    gemma = gguf_gemma_fields(path, meta, arch, head_dim, layers) if arch == "gemma3" else {}
+    gemma = gguf_gemma_fields(path, meta, arch, head_dim, layers) if arch in ("gemma2", "gemma3") else {}
     if moe and architecture == "llama":
         architecture = "mixtral"
     return ModelSpec(

@@ -10,9 +10,14 @@ import tokenizers
 import torch
 
 from deterministic_inference.errors import ModelLoadError, UnsupportedArchitectureError
-from deterministic_inference.model.gemma import gemma3_window_layers, hf_gemma_fields, plus_one_norms
+from deterministic_inference.model.gemma import gemma_window_layers, hf_gemma_fields, plus_one_norms
 from deterministic_inference.model.moe_loading import hf_moe_fields, hf_moe_weights
-from deterministic_inference.model.spec import SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
+from deterministic_inference.model.spec import (
+    GEMMA_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    ModelSpec,
+    RopeScaling,
+)
 from deterministic_inference.model.tokenizer import Tokenizer, end_of_turn_ids
 from deterministic_inference.ops.weights import StoredWeight
 
@@ -29,6 +34,8 @@ _ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "gemma3_text": "gemma3",
     "Gemma3ForCausalLM": "gemma3",
+    "gemma2": "gemma2",
+    "Gemma2ForCausalLM": "gemma2",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -89,7 +96,7 @@ def _architecture(config_path: Path, config: dict[str, Any]) -> str:
     raise UnsupportedArchitectureError(
         f"{config_path}: architecture {shown!r} is not supported; supported: "
         f"{', '.join(SUPPORTED_ARCHITECTURES)} (HF model types: llama, mistral, qwen2, qwen3, qwen2_moe, "
-        "qwen3_moe, mixtral, phi3, gemma3_text)"
+        "qwen3_moe, mixtral, phi3, gemma3_text, gemma2)"
     )
 
 
@@ -176,9 +183,9 @@ def _spec(
         layers = int(_field(config_path, config, "num_hidden_layers"))
         window, window_layers = _sliding_window(config_path, config, layers, max_positions)
         gemma: dict[str, Any] = {}
-        if arch == "gemma3":
-            gemma = hf_gemma_fields(config_path, config)
-            window_layers = window_layers or gemma3_window_layers(layers)
+        if arch in GEMMA_ARCHITECTURES:
+            gemma = hf_gemma_fields(config_path, config, arch)
+            window_layers = window_layers or gemma_window_layers(arch, layers)
             theta, scaling = gemma.pop("rope_theta"), None
         else:
             theta, scaling = _rope(config_path, config)

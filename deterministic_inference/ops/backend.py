@@ -94,10 +94,16 @@ class OpsBackend(Protocol):
         ...
 
     def attention(
-        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, window: int = 0
+        self,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """q [T, H, D] over each row's cached keys (the last `window` of them when > 0) -> [T, H * D] in
-        the model dtype."""
+        """q [T, H, D] over each row's cached keys (the last `window` of them when > 0; scores soft-capped
+        when `softcap` > 0) -> [T, H * D] in the model dtype."""
         ...
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -198,11 +204,24 @@ class NativeBackend:
         )  # fmt: skip
 
     def attention(
-        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, window: int = 0
+        self,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """The compiled kernel: each row alone over its own keys (its window's) in a source-fixed order."""
         out = paged_attention(
-            q, kv_cache[0], kv_cache[1], meta, scale=scale, kernels=self.kernels, window=window
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            meta,
+            scale=scale,
+            kernels=self.kernels,
+            window=window,
+            softcap=softcap,
         )
         return out.to(self.numerics.dtype).reshape(q.shape[0], -1)
 
@@ -299,10 +318,18 @@ class TorchBackend:
         return q
 
     def attention(
-        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, window: int = 0
+        self,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """SDPA per sequence over its cached keys (fp32 inside), rounded to the model dtype."""
-        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, scale=scale, kernels=None, window=window)
+        out = paged_attention(
+            q, kv_cache[0], kv_cache[1], meta, scale=scale, kernels=None, window=window, softcap=softcap
+        )
         return out.to(self.numerics.dtype).reshape(q.shape[0], -1)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

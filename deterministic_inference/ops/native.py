@@ -37,6 +37,7 @@ class NativeKernels:
         rows: tuple[int, int] | None = None,  # compute only token rows [first, end); default all
         tile: int = 0,  # query tokens of a sequence computed together (1..8); 0 = the kernel's choice
         row_first: torch.Tensor | None = None,  # [T] int64: first key each token sees (sliding window)
+        softcap: float = 0.0,  # > 0: scores -> tanh(s / softcap) * softcap before the softmax (Gemma 2)
     ) -> None:
         """Causal attention of each row over its own keys (row_first[t]..row_keys[t]-1 under a sliding
         window). Invariant by construction (see the C file): the row range and the tile size change speed
@@ -60,7 +61,7 @@ class NativeKernels:
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
             block_ids.data_ptr(), block_ids.shape[0], row_table.data_ptr(), row_keys.data_ptr(),
             None if row_first is None else row_first.data_ptr(), first, end,
-            q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[3], k_cache.shape[0], scale,
+            q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[3], k_cache.shape[0], scale, softcap,
             out.data_ptr(), tile,
         )  # fmt: skip
         if status == 2:
@@ -276,7 +277,7 @@ def load(path: Path) -> NativeKernels:
     library.detinf_attention_window.restype = ctypes.c_int
     library.detinf_attention_window.argtypes = [
         pointer, pointer, pointer, ctypes.c_int, pointer, i64, pointer, pointer, pointer,
-        i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, pointer, i64,
+        i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, pointer, i64,
     ]  # fmt: skip
     library.detinf_add_rms_norm.restype = None
     library.detinf_add_rms_norm.argtypes = [

@@ -281,10 +281,11 @@ class AttentionWorld:
         generator: torch.Generator,
         block_size: int = BLOCK_SIZE,
         window: int = 0,  # a sliding window of this many keys (0: none)
+        softcap: float = 0.0,  # the scores' soft cap (0: none)
     ) -> None:
         heads, kv_heads, head_dim = shape
         self.dtype = dtype
-        self.window = window
+        self.window, self.softcap = window, softcap
         self.block_size = block_size
         per_seq = [-(-length // block_size) for length in lengths]
         self.k_cache, self.v_cache = new_kv_cache(sum(per_seq) + 1, block_size, kv_heads, head_dim, dtype)
@@ -313,7 +314,9 @@ class AttentionWorld:
         q = torch.cat([self.queries[seq][start : start + n] for seq, start, n in items])  # [T, H, D]
         ops = select_backend(Numerics(self.dtype, batch_invariant, 4))
         scale = q.shape[-1] ** -0.5
-        out = ops.attention(q, (self.k_cache, self.v_cache), meta, scale, self.window).view(q.shape)
+        out = ops.attention(q, (self.k_cache, self.v_cache), meta, scale, self.window, self.softcap).view(
+            q.shape
+        )
         rows = {}
         for seq_rows, (seq, start, n) in zip(meta.sequences, items, strict=True):
             for r in range(n):
@@ -334,8 +337,10 @@ def attention_probe(
     length = 2 * 64 + 7
     shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
     numerics = ops.numerics
-    probed = min(window, PROBED_WINDOW)
-    world = AttentionWorld(shape, numerics.dtype, [length, 3 * 64 + 1, 5], generator, window=probed)
+    probed, cap = min(window, PROBED_WINDOW), spec.attn_logit_softcapping
+    world = AttentionWorld(
+        shape, numerics.dtype, [length, 3 * 64 + 1, 5], generator, window=probed, softcap=cap
+    )
     with torch_threads(1):
         reference = world.run([(0, 0, length)], numerics.batch_invariant)
     positions = sorted({0, 1, 15, 16, 17, 63, 64, 65, 128, length - 1})
@@ -349,6 +354,8 @@ def attention_probe(
     label = f"heads {spec.num_heads}/{spec.num_kv_heads}x{spec.head_dim} {dtype_name(numerics.dtype)}"
     if window:
         label += f" window {window} (probed at {probed})"
+    if cap:
+        label += f" softcap {cap:g}"
     compared = 0
     for name, plan in plans.items():
         for items in plan:

@@ -168,11 +168,17 @@ class TrainableBackend:
         return result
 
     def attention(
-        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, window: int = 0
+        self,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """The compiled kernel over the scratch cache; backward through the k, v the rotary op wrote."""
-        if window > 0:
-            raise NotImplementedError("the trainable backend has no sliding-window attention (its backward)")
+        if window > 0 or softcap > 0:
+            raise NotImplementedError("the trainable backend has no sliding-window or soft-capped attention")
         if not isinstance(kv_cache, LayerKV) or kv_cache.written is None:
             raise TypeError("attention: the layer's rotary op has not written this LayerKV")
         kernel = functools.partial(self.native.attention, kv_cache=kv_cache, meta=meta, scale=scale)

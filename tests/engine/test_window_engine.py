@@ -1,8 +1,8 @@
 """Engine-level invariance of sliding-window models (tiny random Mistral from its HF directory, Phi-3 and
-Gemma 3 from Q8_0 GGUF files; window 24 keys, KV blocks of 16): the window's edge crosses chunk
-boundaries (budgets 7, 16, 64), block boundaries and prefix-cache hits, and a prompt's tokens and
-logprob bits stay those of the prompt alone. Negative control: the same cases with plain ops differ
-somewhere."""
+Gemma 3 from Q8_0 GGUF files, Gemma 2 (soft-capped) from its HF directory; window 24 keys, KV blocks of
+16): the window's edge crosses chunk boundaries (budgets 7, 16, 64), block boundaries and prefix-cache
+hits, and a prompt's tokens and logprob bits stay those of the prompt alone. Negative control: the same
+cases with plain ops differ somewhere."""
 
 from __future__ import annotations
 
@@ -38,6 +38,11 @@ def gemma3_q8(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     return load_model(str(write_arch_gguf(tiny, directory / "tiny-gemma3.Q8_0.gguf", quant="Q8_0")))
 
 
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return load_model(str(build_arch_hf(tmp_path_factory.mktemp("gemma2"), "gemma2").path))
+
+
 @pytest.fixture
 def restore_threads() -> Iterator[None]:
     before = torch.get_num_threads()
@@ -52,8 +57,18 @@ def target_prompt(loaded: LoadedModel) -> list[int]:
 
 @pytest.mark.parametrize(
     ("fixture", "dtype", "params"),
-    [("mistral", "float32", GREEDY), ("phi3_q8", "bfloat16", SEEDED), ("gemma3_q8", "bfloat16", GREEDY)],
-    ids=["mistral-hf-fp32-greedy", "phi3-gguf-q8_0-bf16-seeded", "gemma3-gguf-q8_0-bf16-greedy"],
+    [
+        ("mistral", "float32", GREEDY),
+        ("phi3_q8", "bfloat16", SEEDED),
+        ("gemma3_q8", "bfloat16", GREEDY),
+        ("gemma2", "float32", SEEDED),
+    ],
+    ids=[
+        "mistral-hf-fp32-greedy",
+        "phi3-gguf-q8_0-bf16-seeded",
+        "gemma3-gguf-q8_0-bf16-greedy",
+        "gemma2-hf-seeded",
+    ],
 )
 def test_prompt_alone_equals_prompt_in_any_batch(
     fixture: str, dtype: str, params: object, request: pytest.FixtureRequest, restore_threads: None
@@ -107,3 +122,11 @@ def test_selfcheck_probes_the_window_and_gelu(gemma3_q8: LoadedModel) -> None:
         "gemma_block",
         "sliding_window_attention",
     ]
+
+
+def test_selfcheck_probes_soft_capped_attention_and_logits(gemma2: LoadedModel) -> None:
+    report = Engine(EngineConfig(threads=2, dtype="float32"), loaded=gemma2).selfcheck_report
+    assert report is not None and report.ok, report and report.table()
+    shapes = [r.shape for r in report.results if r.op == "attention"]
+    assert all("softcap 0.05" in shape for shape in shapes) and len(shapes) == 2, shapes
+    assert [r.op for r in report.results if r.op == "softcap"] == ["softcap"]

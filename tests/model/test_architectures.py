@@ -1,7 +1,8 @@
-"""Mistral, Phi-3 and Gemma 3 against transformers: tiny random models with a sliding window of 24 keys
-(crossed by every prompt here; Gemma 3: five windowed layers with a local rope base, then a global one),
-loaded from their HF directory and from a GGUF file written with llama.cpp's tensor names and keys
-(Mistral as `llama`, Phi-3 as `phi3` with fused attn_qkv / ffn_up, Gemma 3 as `gemma3` with 1 + w norms).
+"""Mistral, Phi-3, Gemma 3 and Gemma 2 against transformers: tiny random models with a sliding window of
+24 keys (crossed by every prompt here; Gemma 3: five windowed layers with a local rope base, then a
+global one), loaded from their HF directory and from a GGUF file written with llama.cpp's tensor names
+and keys (Mistral as `llama`, Phi-3 as `phi3` with fused attn_qkv / ffn_up, Gemma 3 / 2 as `gemma3` /
+`gemma2` with 1 + w norms; Gemma 2 soft-caps scores and logits, its caps made small enough to matter).
 
 Tolerance (fp32 model, both backends): |ours - HF| <= 3e-5 + 1e-5 |HF| per logit, the bound the Llama and
 MoE numerics tests use: the same operations in another summation order differ by a few ulps per op.
@@ -25,7 +26,7 @@ from tests.arch_models import TEMPLATES, WINDOW, build_arch_hf, write_arch_gguf
 from tests.model.test_llama_numerics import prefill_logits
 from tests.tiny_models import TinyModel
 
-ARCHITECTURES = ["mistral", "phi3", "gemma3"]
+ARCHITECTURES = ["mistral", "phi3", "gemma3", "gemma2"]
 RTOL, ATOL = 1e-5, 3e-5
 
 
@@ -147,6 +148,10 @@ def test_gemma3_spec_and_fingerprint_ops(tiny_arch: TinyModel) -> None:
     loaded = load_model(str(tiny_arch.path))
     model = DecoderModel(loaded.spec, loaded.weights, Numerics(torch.float32, True, 8), 512)
     assert model.fused is None  # windowed / Gemma layers take the per-op path
+    if tiny_arch.architecture == "gemma2":
+        assert model.model_ops == ("gelu_tanh_mul", "gemma_block", "sliding_window_attention", "softcap")
+        assert loaded.spec.window_layers == (True, False, True, False)
+        return
     if tiny_arch.architecture != "gemma3":
         assert model.model_ops == ("sliding_window_attention",)
         return
@@ -157,3 +162,14 @@ def test_gemma3_spec_and_fingerprint_ops(tiny_arch: TinyModel) -> None:
     numerics = EngineConfig().numerics("float32", model.weight_formats, model.model_ops)
     assert numerics["model_ops"] == list(model.model_ops)
     assert "model_ops" not in EngineConfig().numerics("float32", model.weight_formats)
+
+
+@pytest.mark.parametrize("cap", ["attn_logit_softcapping", "final_logit_softcapping"])
+def test_ignoring_a_gemma2_soft_cap_is_detected(tmp_path: Path, cap: str) -> None:
+    """Negative control: without either soft cap the logits leave the tolerance: the match sees both."""
+    tiny = build_arch_hf(tmp_path / "gemma2", "gemma2")
+    loaded = load_model(str(tiny.path))
+    spec = dataclasses.replace(loaded.spec, **{cap: 0.0})  # type: ignore[arg-type]
+    model = DecoderModel(spec, loaded.weights, Numerics(torch.float32, True, 8), 512)
+    token_ids = random_ids(loaded.spec.vocab_size, 40, seed=5)
+    assert (prefill_logits(model, token_ids) - reference_logits(tiny, token_ids)).abs().max() > 10 * ATOL

@@ -36,10 +36,16 @@ Items = list[tuple[int, int, int]]  # (sequence, start position, query tokens) o
 
 
 def make_world(
-    head_shape: str, dtype: torch.dtype, seed: int = 0, block_size: int = 16, window: int = 0
+    head_shape: str,
+    dtype: torch.dtype,
+    seed: int = 0,
+    block_size: int = 16,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> AttentionWorld:
     generator = torch.Generator().manual_seed(seed)
-    return AttentionWorld(HEAD_SHAPES[head_shape], dtype, [LENGTH, *OTHERS], generator, block_size, window)
+    shape = HEAD_SHAPES[head_shape]
+    return AttentionWorld(shape, dtype, [LENGTH, *OTHERS], generator, block_size, window, softcap)
 
 
 def plans() -> dict[str, list[Items]]:
@@ -183,3 +189,24 @@ def test_window_wider_than_the_sequence_is_full_attention_bit_for_bit() -> None:
     cut = make_world("smollm2", torch.bfloat16, window=24).run([(0, 0, LENGTH)], True)
     assert all(torch.equal(bits(cut[(0, p)]), bits(full[(0, p)])) for p in range(24))
     assert not any(torch.equal(bits(cut[(0, p)]), bits(full[(0, p)])) for p in range(24, LENGTH))
+
+
+@pytest.mark.parametrize("window", [0, 24])
+def test_soft_capped_rows_are_invariant_and_capped(window: int) -> None:
+    """Gemma 2: scores -> tanh(s / c) * c before the softmax; rows equal across every plan, and equal a
+    float64 reference over their window."""
+    world = make_world("tiny", torch.float32, window=window, softcap=2.0)
+    assert mismatches(world, True, threads=2) == []
+    rows = world.run([(0, 0, LENGTH)], True)
+    keys, values = sequence_kv(world.k_cache, world.v_cache, world.tables[0], LENGTH)  # [KVH, L, D]
+    group = TINY_HEADS // TINY_KV_HEADS
+    keys, values = (t.double().repeat_interleave(group, 0) for t in (keys, values))  # [H, L, D]
+    for p in range(LENGTH):
+        first = max(0, p - window + 1) if window else 0
+        q = world.queries[0][p].double()  # [H, D]
+        scores = torch.einsum("hd,hld->hl", q, keys[:, first : p + 1]) * TINY_HEAD_DIM**-0.5
+        scores = torch.tanh(scores / 2.0) * 2.0
+        expected = torch.einsum("hl,hld->hd", scores.softmax(-1), values[:, first : p + 1])
+        torch.testing.assert_close(rows[(0, p)].double(), expected, rtol=1e-5, atol=1e-6)
+    plain = make_world("tiny", torch.float32, window=window, softcap=2.0).run([(0, 0, LENGTH)], False)
+    torch.testing.assert_close(plain[(0, LENGTH - 1)], rows[(0, LENGTH - 1)], rtol=1e-5, atol=1e-6)

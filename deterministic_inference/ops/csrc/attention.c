@@ -12,7 +12,8 @@
    where j runs over the row's own keys and nothing else: 0..n-1, or under a sliding window the keys
    f..n-1 of the window alone (the same operations with the window's keys counted from f: key f + i goes
    to lane i % 16 of the sum; the scores and value sums still visit the cache blocks in ascending order,
-   from the block holding key f). No row reads another row's data, so
+   from the block holding key f).
+   With a soft cap c > 0 (Gemma 2) each score becomes tanh(scores[j] / c) * c (common.h's tanh) before m. No row reads another row's data, so
    a row's bits cannot depend on the batch, the chunk it is in, the number of rows per call or the
    thread that computes it. With 16-key blocks and head_dim a multiple of 16 (attention_tile.c), rows of
    up to a few consecutive tokens of one sequence share each loaded key and value vector (a tile), each
@@ -83,6 +84,12 @@ static void attend_rows(const attention_args *a, const int64_t *table, int64_t k
         }
     }
     const float *rows_p[4];
+    if (a->softcap > 0.0f) {
+        for (int64_t i = 0; i < n; i++) {
+            float *row = w->scores + (first + i) * stride + skip;
+            for (int64_t j = 0; j < keys - window; j++) row[j] = tanh_portable(row[j] / a->softcap) * a->softcap;
+        }
+    }
     for (int64_t i = 0; i < n; i++) {
         float *row = w->scores + (first + i) * stride;
         w->totals[first + i] = exp_and_sum(row + skip, keys - window, LANES);
@@ -174,26 +181,26 @@ static int any_window(const int64_t *row_first, int64_t first_row, int64_t end_r
 
 /* Computes rows [first_row, end_row), every head, `tile` query tokens of a sequence at a time on the
    fast path (0: the kernel's choice); row r over keys row_first[r]..row_keys[r]-1 (row_first NULL: from
-   key 0). Rows cut by a window take the generic loops (the tiles share key loads between rows that see
-   the same keys from 0; a row that sees them from 0 has the same bits on either path). Returns 0; 1 when
-   a workspace could not be allocated (some rows are then not written); 2 when an index is out of range
-   (nothing is written). */
+   key 0), its scores soft-capped when softcap > 0. Soft-capped calls and rows cut by a window take the
+   generic loops (the tiles share key loads between rows that see the same keys from 0; a row that sees
+   them from 0 uncapped has the same bits on either path). Returns 0; 1 when a workspace could not be
+   allocated (some rows are then not written); 2 when an index is out of range (nothing is written). */
 int detinf_attention_window(const float *q, const void *k_cache, const void *v_cache, int cache_is_bf16,
                             const int64_t *block_ids, int64_t num_ids, const int64_t *row_table,
                             const int64_t *row_keys, const int64_t *row_first, int64_t first_row, int64_t end_row,
                             int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block, int64_t num_blocks,
-                            float scale, float *out, int64_t tile) {
+                            float scale, float softcap, float *out, int64_t tile) {
     if (rows_out_of_range(block_ids, num_ids, row_table, row_keys, row_first, first_row, end_row, block,
                           num_blocks))
         return 2;
-    const attention_args a = {q,     k_cache,  v_cache,  cache_is_bf16, block_ids, row_table, row_keys, row_first,
-                              heads, kv_heads, head_dim, block,         scale,     out,       end_row};
+    const attention_args a = {q,     k_cache,  v_cache, cache_is_bf16, block_ids, row_table, row_keys, row_first,
+                              heads, kv_heads, head_dim, block,         scale,     softcap,   out,       end_row};
     int64_t max_keys = 1;
     for (int64_t r = first_row; r < end_row; r++) max_keys = a.row_keys[r] > max_keys ? a.row_keys[r] : max_keys;
     const size_t stride = (size_t)((max_keys + block - 1) / block * block);
     const int64_t group = heads / kv_heads;
     const int fast = block == 16 && head_dim % 16 == 0 && group <= MAX_TILE_TOKENS * MAX_SHARED_ROWS &&
-                     !any_window(row_first, first_row, end_row);
+                     softcap == 0.0f && !any_window(row_first, first_row, end_row);
     const int64_t tokens = fast ? tile_tokens(group, tile) : 1;
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(end_row - first_row + 1));
     if (starts == NULL) return 1;
@@ -242,7 +249,7 @@ int detinf_attention(const float *q, const void *k_cache, const void *v_cache, i
                      float *out, int64_t tile) {
     return detinf_attention_window(q, k_cache, v_cache, cache_is_bf16, block_ids, num_ids, row_table, row_keys,
                                    NULL, first_row, end_row, heads, kv_heads, head_dim, block, num_blocks, scale,
-                                   out, tile);
+                                   0.0f, out, tile);
 }
 
 /* The kernel's exp, exposed so tests can compare it with a float64 reference. */

@@ -190,6 +190,7 @@ typedef struct {
     const int64_t *row_first; /* NULL, or [T]: the first key each row sees (its window's start) */
     int64_t heads, kv_heads, head_dim, block;
     float scale;
+    float softcap; /* > 0: scores -> tanh(s / softcap) * softcap before the softmax (Gemma 2); 0: none */
     float *out;
     int64_t end_row; /* rows [first_row, end_row) are computed: their block tables were checked */
 } attention_args;

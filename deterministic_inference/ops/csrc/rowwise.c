@@ -23,9 +23,6 @@ static inline void store_act(void *base, int64_t i, float value, int bf16) {
     else ((float *)base)[i] = value;
 }
 
-/* exp(x) for any float x, clamped to [-87, 88] where exp stays a normal float. */
-static inline float exp_clamped(float x) { return exp_in_range(x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x)); }
-
 /* hidden[r] (+)= delta[r] (when delta is given), then out[r] = weight * round(hidden[r] * rsqrt(mean(
    hidden[r]^2) + eps)): HF Llama's RMSNorm on the residual stream, for row r of width `width`. hidden,
    delta, out, weight in the model dtype; hidden is updated in place. The exported functions call the
@@ -89,14 +86,6 @@ void detinf_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter
         if (model_bf16) silu_mul_row(gate_up, out, r, inter, 1);
         else silu_mul_row(gate_up, out, r, inter, 0);
     }
-}
-
-/* tanh(u) = sign(u) (1 - e) / (1 + e) with e = exp(-2 |u|) (exp_clamped: e stops at its smallest value
-   for large |u|, where the quotient rounds to 1), u's sign copied (so tanh(-0) = -0). About 1e-7 absolute
-   error; every operation a fixed IEEE one, so the same bits on every CPU. */
-static inline float tanh_portable(float u) {
-    const float e = exp_clamped(-2.0f * fabsf(u));
-    return copysignf((1.0f - e) / (1.0f + e), u);
 }
 
 /* out[r, j] = round(gelu_tanh(gate[r, j])) * up[r, j] (GeGLU: Gemma's MLP), with torch's tanh

@@ -69,14 +69,20 @@ class EngineConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
-    def numerics(self, resolved_dtype: str, weight_formats: dict[str, str] | None = None) -> dict[str, Any]:
+    def numerics(
+        self,
+        resolved_dtype: str,
+        weight_formats: dict[str, str] | None = None,
+        model_ops: tuple[str, ...] = (),
+    ) -> dict[str, Any]:
         """The settings that determine output bits, with the dtype resolved for this machine, and the
         revision of the op formulations (bumped when a code change can change bits).
 
         `weight_formats` (tensor name -> the format the model computes it in, from the built model)
         enters as a map tensor class -> formats (layer index dropped, e.g. "mlp.down_proj.weight" ->
         "q4_k+q6_k") plus a digest of the whole per-tensor map, so a file whose formats differ per layer
-        cannot share a fingerprint with another mix."""
+        cannot share a fingerprint with another mix. `model_ops` (`DecoderModel.model_ops`: the ops beyond
+        the Llama block's, e.g. sliding-window attention) enter by name when there are any."""
         from deterministic_inference.ops import OPS_REVISION
         from deterministic_inference.ops.native_build import source_digest
 
@@ -92,6 +98,8 @@ class EngineConfig:
         if weight_formats is not None:
             numerics["weight_formats"] = format_classes(weight_formats)
             numerics["weight_formats_digest"] = _sha256_json(weight_formats)
+        if model_ops:
+            numerics["model_ops"] = list(model_ops)
         return numerics
 
     def numerics_digest(self, resolved_dtype: str, weight_formats: dict[str, str] | None = None) -> str:

@@ -233,8 +233,16 @@ def write_gguf(
     return TinyModel(path, reference.model, "llama")
 
 
-def write_tokenizer_metadata(writer: Any, hf_dir: Path, add_bos: bool, tokenizer_model: str, pre: str) -> int:
-    """The tokenizer of the HF directory as GGUF metadata (BPE 'gpt2' style); returns the token count."""
+def write_tokenizer_metadata(  # noqa: PLR0913
+    writer: Any,
+    hf_dir: Path,
+    add_bos: bool,
+    tokenizer_model: str,
+    pre: str,
+    chat_template: str = CHATML_TEMPLATE,
+) -> int:
+    """The tokenizer of the HF directory as GGUF metadata (BPE 'gpt2' style) with `chat_template`;
+    returns the token count."""
     tok_json = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab: dict[str, int] = tok_json["model"]["vocab"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
@@ -246,7 +254,7 @@ def write_tokenizer_metadata(writer: Any, hf_dir: Path, add_bos: bool, tokenizer
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(add_bos)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    writer.add_chat_template(chat_template)
     return len(tokens)
 
 

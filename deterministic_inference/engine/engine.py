@@ -81,7 +81,7 @@ class Engine:
         self.model, self.selfcheck_report, self.model_digest = self._build_checked_model()
         self.fingerprint = fingerprint.engine_fingerprint(
             self.model_digest,
-            config.numerics(self.dtype_name, self.model.weight_formats),
+            config.numerics(self.dtype_name, self.model.weight_formats, self.model.model_ops),
             portable=self.model.ops.portable,
         )
         self.system_fingerprint = fingerprint.system_fingerprint(self.fingerprint)

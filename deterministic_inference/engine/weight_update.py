@@ -106,6 +106,8 @@ def swap_weights(engine: Engine, weights: Mapping[str, torch.Tensor], param: str
             f"update_weights: {engine.num_unfinished_requests} requests are still in flight; let them "
             "finish (or abort them) before changing the weights"
         )
+    if engine.spec.is_gemma:  # its HF norms need the loader's 1 + w, which an update does not apply yet
+        raise InvalidRequestError(f"{param}: weight updates are not supported for Gemma models", param=param)
     dtype = DTYPES[engine.dtype_name]
     # as the engine computes them: its dtype, contiguous
     dense = {
@@ -118,7 +120,9 @@ def swap_weights(engine: Engine, weights: Mapping[str, torch.Tensor], param: str
     # every check and the build passed: swap
     engine.loaded, engine.model, engine.runner.model, engine.model_digest = loaded, model, model, digest
     engine.fingerprint = fingerprint.engine_fingerprint(
-        digest, engine.config.numerics(engine.dtype_name, model.weight_formats), portable=model.ops.portable
+        digest,
+        engine.config.numerics(engine.dtype_name, model.weight_formats, model.model_ops),
+        portable=model.ops.portable,
     )
     engine.system_fingerprint = fingerprint.system_fingerprint(engine.fingerprint)
     engine.kv.hash_extra = engine.system_fingerprint  # prefix-cache keys carry the fingerprint

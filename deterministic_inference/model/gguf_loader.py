@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from deterministic_inference.errors import ModelLoadError, UnsupportedArchitectureError
+from deterministic_inference.model.gemma import GGUF_GEMMA_LAYER, gguf_gemma_fields
 from deterministic_inference.model.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from deterministic_inference.model.gguf_tokenizer import build_gguf_tokenizer
 from deterministic_inference.model.moe_loading import (
@@ -48,6 +49,7 @@ _LAYER_NAMES = {
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # phi3: q, k, v fused
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
@@ -207,6 +209,10 @@ def _spec(
             f"{path}: rope frequency factors (rope_freqs.weight, Llama 3.1 style scaling) are not supported "
             "from GGUF; load the model from its Hugging Face directory instead"
         )
+    if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+        raise ModelLoadError(
+            f"{path}: Phi-3 long-context rope factors (rope_factors_long/short, 'longrope') are not supported"
+        )
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise ModelLoadError(f"{path}: {arch}.rope.scaling.type {scaling!r} is not supported")
@@ -215,7 +221,18 @@ def _spec(
     if heads <= 0 or (hidden % heads != 0 and f"{arch}.attention.key_length" not in meta):
         raise ModelLoadError(f"{path}: {arch}.attention.head_count {heads} does not divide {hidden}")
     architecture = GGUF_ARCHITECTURES[arch][0]
+    head_dim = _int(path, meta, f"{arch}.attention.key_length", hidden // heads)
+    rotary = _int(path, meta, f"{arch}.rope.dimension_count", head_dim)
+    if rotary != head_dim:
+        raise ModelLoadError(
+            f"{path}: {arch}.rope.dimension_count {rotary} != head dim {head_dim}: "
+            "partial rotary is not supported"
+        )
+    context = _int(path, meta, f"{arch}.context_length")
+    window = _int(path, meta, f"{arch}.attention.sliding_window", 0)
     moe = gguf_moe_fields(path, meta, architecture, arch, tensors)
+    layers = _int(path, meta, f"{arch}.block_count")
+    gemma = gguf_gemma_fields(path, meta, arch, head_dim, layers) if arch in ("gemma2", "gemma3") else {}
     if moe and architecture == "llama":
         architecture = "mixtral"
     return ModelSpec(
@@ -223,18 +240,20 @@ def _spec(
         vocab_size=int(embedding.shape[0]),
         hidden_size=hidden,
         intermediate_size=_int(path, meta, f"{arch}.feed_forward_length", moe.get("moe_intermediate_size")),
-        num_layers=_int(path, meta, f"{arch}.block_count"),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=_int(path, meta, f"{arch}.attention.head_count_kv", heads),
-        head_dim=_int(path, meta, f"{arch}.attention.key_length", hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=_float(meta, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=_float(meta, f"{arch}.rope.freq_base", 10000.0),
-        max_position_embeddings=_int(path, meta, f"{arch}.context_length"),
+        max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
+        sliding_window=window if 0 < window < context else 0,  # a window no sequence can cross is none
+        **gemma,
         **moe,
     )
 
@@ -255,7 +274,11 @@ def _hf_weights(
 ) -> dict[str, StoredWeight]:
     weights: dict[str, StoredWeight] = {}
     for name, tensor in tensors.items():
-        target = hf_name(name)
+        layer = _LAYER_TENSOR.match(name)
+        if spec.is_gemma and layer and layer.group(2) in GGUF_GEMMA_LAYER:  # its norms are named otherwise
+            target: str | None = f"model.layers.{layer.group(1)}.{GGUF_GEMMA_LAYER[layer.group(2)]}"
+        else:
+            target = hf_name(name)
         if target is None:
             raise ModelLoadError(
                 f"{path}: tensor {name} has no place in a {spec.architecture} model (unsupported variant?)"
@@ -274,5 +297,7 @@ def _hf_weights(
                 )
             weights[target] = _unpermuted(tensor, heads)
             continue
+        if spec.fused_projections and target.endswith(".mlp.up_proj.weight"):
+            target = target.replace(".up_proj.", ".gate_up_proj.")  # phi3's ffn_up: gate and up fused
         weights[target] = tensor
     return weights

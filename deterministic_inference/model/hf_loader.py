@@ -10,8 +10,14 @@ import tokenizers
 import torch
 
 from deterministic_inference.errors import ModelLoadError, UnsupportedArchitectureError
+from deterministic_inference.model.gemma import gemma_window_layers, hf_gemma_fields, plus_one_norms
 from deterministic_inference.model.moe_loading import hf_moe_fields, hf_moe_weights
-from deterministic_inference.model.spec import SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
+from deterministic_inference.model.spec import (
+    GEMMA_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    ModelSpec,
+    RopeScaling,
+)
 from deterministic_inference.model.spm_tokenizer import sentencepiece_file_backend
 from deterministic_inference.model.tokenizer import Tokenizer, end_of_turn_ids
 from deterministic_inference.ops.weights import StoredWeight
@@ -25,6 +31,12 @@ _ARCHITECTURES = {
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
+    "phi3": "phi3",
+    "Phi3ForCausalLM": "phi3",
+    "gemma3_text": "gemma3",
+    "Gemma3ForCausalLM": "gemma3",
+    "gemma2": "gemma2",
+    "Gemma2ForCausalLM": "gemma2",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -64,6 +76,8 @@ def load_hf(path: Path) -> tuple[ModelSpec, dict[str, StoredWeight], Tokenizer, 
     weights: dict[str, StoredWeight] = dict(_load_weights(weight_files))
     tokenizer, tokenizer_files = _load_tokenizer(path, config)
     spec = _spec(config_path, config, arch, weights, tokenizer)
+    if spec.is_gemma:
+        plus_one_norms(weights)
     if spec.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     elif "lm_head.weight" not in weights:
@@ -83,7 +97,7 @@ def _architecture(config_path: Path, config: dict[str, Any]) -> str:
     raise UnsupportedArchitectureError(
         f"{config_path}: architecture {shown!r} is not supported; supported: "
         f"{', '.join(SUPPORTED_ARCHITECTURES)} (HF model types: llama, mistral, qwen2, qwen3, qwen2_moe, "
-        "qwen3_moe, mixtral)"
+        "qwen3_moe, mixtral, phi3, gemma3_text, gemma2)"
     )
 
 
@@ -117,14 +131,43 @@ def _rope(config_path: Path, config: dict[str, Any]) -> tuple[float, RopeScaling
         raise ModelLoadError(f"{config_path}: llama3 rope scaling is incomplete: {exc}") from exc
 
 
-def _check_sliding_window(config_path: Path, config: dict[str, Any], max_positions: int) -> None:
+def _sliding_window(
+    config_path: Path, config: dict[str, Any], layers: int, max_positions: int
+) -> tuple[int, tuple[bool, ...]]:
+    """(window, which layers are windowed; () = all) as transformers reads them: `sliding_window` where
+    the family uses it (Qwen only under use_sliding_window), per layer from `layer_types` or Qwen's
+    `max_window_layers`. A window no sequence can cross (>= max_position_embeddings) is no window."""
     window = config.get("sliding_window")
-    uses_window = config.get("use_sliding_window", config.get("model_type") in ("mistral", "mixtral"))
-    if uses_window and isinstance(window, int) and window < max_positions:
-        raise ModelLoadError(
-            f"{config_path}: sliding_window={window} is smaller than max_position_embeddings="
-            f"{max_positions}; sliding-window attention is not supported"
-        )
+    qwen = str(config.get("model_type", "")).startswith("qwen")
+    if not isinstance(window, int) or window <= 0 or window >= max_positions:
+        return 0, ()
+    if qwen and not config.get("use_sliding_window"):
+        return 0, ()
+    types = config.get("layer_types")
+    if isinstance(types, list):
+        if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise ModelLoadError(
+                f"{config_path}: layer_types must list {layers} sliding/full attention layers"
+            )
+        return window, tuple(t == "sliding_attention" for t in types)
+    if qwen:
+        first = int(config.get("max_window_layers", 0))
+        return window, tuple(i >= first for i in range(layers))
+    return window, ()
+
+
+def _check_variant(config_path: Path, config: dict[str, Any]) -> None:
+    """Refuse the variants the decoder does not implement: another MLP activation, partial rotary."""
+    activation = config.get("hidden_act", "silu")
+    if activation not in (None, "silu"):
+        raise ModelLoadError(f"{config_path}: hidden_act {activation!r} is not supported (supported: silu)")
+    params = config.get("rope_parameters") or {}
+    for partial in (params.get("partial_rotary_factor"), config.get("partial_rotary_factor")):
+        if partial is not None and float(partial) != 1.0:
+            raise ModelLoadError(
+                f"{config_path}: partial_rotary_factor {partial} is not supported "
+                "(rotary over whole heads only)"
+            )
 
 
 def _spec(
@@ -138,14 +181,22 @@ def _spec(
         hidden = int(_field(config_path, config, "hidden_size"))
         heads = int(_field(config_path, config, "num_attention_heads"))
         max_positions = int(_field(config_path, config, "max_position_embeddings"))
-        theta, scaling = _rope(config_path, config)
-        _check_sliding_window(config_path, config, max_positions)
+        layers = int(_field(config_path, config, "num_hidden_layers"))
+        window, window_layers = _sliding_window(config_path, config, layers, max_positions)
+        gemma: dict[str, Any] = {}
+        if arch in GEMMA_ARCHITECTURES:
+            gemma = hf_gemma_fields(config_path, config, arch)
+            window_layers = window_layers or gemma_window_layers(arch, layers)
+            theta, scaling = gemma.pop("rope_theta"), None
+        else:
+            theta, scaling = _rope(config_path, config)
+            _check_variant(config_path, config)
         return ModelSpec(
             architecture=arch,
             vocab_size=int(_field(config_path, config, "vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(_field(config_path, config, "intermediate_size")),
-            num_layers=int(_field(config_path, config, "num_hidden_layers")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
             head_dim=int(config.get("head_dim") or hidden // heads),
@@ -158,6 +209,9 @@ def _spec(
             rope_scaling=scaling,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_ids=tokenizer.eos_token_ids,
+            sliding_window=window,
+            window_layers=window_layers,
+            **gemma,
             **hf_moe_fields(config_path, config, arch),
         )
     except (TypeError, ValueError, ZeroDivisionError) as exc:

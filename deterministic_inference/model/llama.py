@@ -1,9 +1,10 @@
-"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2, Qwen3) and its
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Phi-3, Qwen2, Qwen3) and its
 mixture-of-experts variants (Mixtral, Qwen2-MoE, Qwen3-MoE: the MLP is a `MoEBlock`, model/moe.py).
 
 Qwen2 adds biases to the q/k/v projections; Qwen3 adds an RMSNorm over each head of q and k before the
-rotary embedding. Everything else is the shared pre-norm block. All state arrives as arguments (the KV
-caches and attention metadata), never through a global.
+rotary embedding; Phi-3 stores q/k/v and gate/up fused (read as stored: the same GEMMs); Mistral and
+Phi-3 may attend over a sliding window. Everything else is the shared pre-norm block. All state arrives
+as arguments (the KV caches and attention metadata), never through a global.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class DecoderLayer:
     """One pre-norm transformer block: attention then gated MLP, each with a residual add, written
     against the ops backend (`ops/backend.py`), so it is the same code in every mode."""
 
+    fusable = True  # the fused decoder (ops/fused.py) runs this block's exact sequence of kernels
+
     def __init__(self, spec: ModelSpec, weights: Mapping[str, StoredWeight], index: int, ops: OpsBackend):
         prefix = f"model.layers.{index}."
         self.spec = spec
@@ -48,7 +51,11 @@ class DecoderLayer:
         def matrices(*names: str) -> list[StoredWeight]:
             return [weights[prefix + name] for name in names]
 
-        qkv = tuple(f"self_attn.{n}_proj.weight" for n in "qkv")
+        qkv: tuple[str, ...] = tuple(f"self_attn.{n}_proj.weight" for n in "qkv")
+        if spec.fused_projections:
+            qkv = ("self_attn.qkv_proj.weight",)
+        self.window = spec.layer_window(index)  # keys of its sliding window (0: none)
+        self.local = spec.is_local_layer(index)  # a windowed-kind layer (Gemma: the local rope base)
         qkv_bias = None
         if spec.attention_bias:
             qkv_bias = torch.cat([vector(f"self_attn.{n}_proj.bias") for n in "qkv"])
@@ -57,7 +64,9 @@ class DecoderLayer:
         # [T, hidden] -> [T, hidden]: the gated MLP, or a mixture of experts (model/moe.py)
         mlp = prefix + "mlp."
         self.mlp: GatedMLP | MoEBlock
-        self.mlp = MoEBlock(spec, weights, mlp, ops) if spec.is_moe else GatedMLP(ops, weights, mlp)
+        self.mlp = (
+            MoEBlock(spec, weights, mlp, ops) if spec.is_moe else GatedMLP(ops, weights, mlp, spec.is_gemma)
+        )
         self.input_norm = vector("input_layernorm.weight")
         self.post_attention_norm = vector("post_attention_layernorm.weight")
         self.q_norm = vector("self_attn.q_norm.weight") if spec.qk_norm else None
@@ -88,7 +97,7 @@ class DecoderLayer:
         normed, hidden = ops.add_rms_norm(hidden, pending, self.input_norm, spec.rms_norm_eps)
         qkv = self._qk_normed(self.qkv(normed))  # [T, (H + 2*KVH) * D]
         q = ops.rotary_write_kv(qkv, positions, rotary, meta, kv_cache, spec.num_heads)  # [T, H, D]
-        delta = self.o_proj(ops.attention(q, kv_cache, meta, spec.head_dim**-0.5))  # [T, hidden]
+        delta = self.o_proj(ops.attention(q, kv_cache, meta, spec.head_dim**-0.5, self.window))  # [T, hidden]
         normed, hidden = ops.add_rms_norm(hidden, delta, self.post_attention_norm, spec.rms_norm_eps)
         return hidden, self.mlp(normed)
 
@@ -122,9 +131,16 @@ class DecoderModel:
         # The compiled kernels in invariant mode (raises NativeBuildError without a compiler).
         self.ops = ops if ops is not None else select_backend(numerics)
         self.embed = self.ops.embedding(weights["model.embed_tokens.weight"])  # [vocab, hidden]
+        # Gemma scales the embedding by sqrt(hidden), the scale rounded to the model dtype as HF does
+        self.embed_scale = torch.tensor(spec.hidden_size**0.5).to(numerics.dtype) if spec.is_gemma else None
+        layer_class = DecoderLayer
+        if spec.is_gemma:
+            from deterministic_inference.model.gemma import GemmaLayer  # builds on this module
+
+            layer_class = GemmaLayer
         self.layers: list[DecoderLayer] = []
         for index in range(spec.num_layers):
-            self.layers.append(DecoderLayer(spec, weights, index, self.ops))
+            self.layers.append(layer_class(spec, weights, index, self.ops))
             # pages of repacked tensors that reading the next ones mapped back (large folios): given back
             # per layer, so they do not pile up until the model is built (ops/repack.py)
             give_back_superseded(weights.values())
@@ -135,6 +151,12 @@ class DecoderModel:
         # Logits in fp32 whatever the model dtype: fp32 sums of the model-dtype weight and hidden state.
         self.lm_head = self.ops.logits_head(head)
         self.rotary = self.ops.rotary_table(spec.head_dim, spec.rope_theta, max_positions, spec.rope_scaling)
+        # Gemma's windowed layers rotate with their own base (rope_local_base_freq), unscaled
+        self.local_rotary = self.rotary
+        if spec.rope_local_theta and spec.rope_local_theta != spec.rope_theta:
+            self.local_rotary = self.ops.rotary_table(
+                spec.head_dim, spec.rope_local_theta, max_positions, None
+            )
         # tensor name -> the format the model computes it in (the fingerprint's numerics); the head has
         # its own entry when tied (the embedding table read by the logits GEMM)
         formats = {"model.embed_tokens.weight": self.embed.format, "lm_head.weight": self.lm_head.formats[0]}
@@ -142,6 +164,7 @@ class DecoderModel:
         for layer in self.layers:
             formats.update(layer.weight_formats)
         self.weight_formats = dict(sorted(formats.items()))
+        self.model_ops = model_ops(spec)
 
     def probe_linears(self) -> list[tuple[str, Linear]]:
         """(role, linear) for the first linear of each role and weight-format mix (what the start-up
@@ -180,14 +203,20 @@ class DecoderModel:
         """-> final-normed hidden states [T, hidden] in the model dtype. `fused=False` forces the per-op
         path (the fused one gives the same bits; tests compare them); a layer hook always takes it."""
         hidden = self.embed(input_ids)  # [T, hidden]
+        if self.embed_scale is not None:
+            hidden = (
+                hidden * self.embed_scale
+            )  # one correctly rounded multiply per element: any CPU, same bits
         self.rotary.cover(positions)
+        self.local_rotary.cover(positions)
         pending: torch.Tensor | None = None
         if fused and layer_hook is None and self.fused is not None:
             hidden, pending = self.fused(hidden, positions, meta, kv_caches, self.rotary)
             hidden, _ = self.ops.add_rms_norm(hidden, pending, self.final_norm, self.spec.rms_norm_eps)
             return hidden
         for index, layer in enumerate(self.layers):
-            hidden, pending = layer(hidden, pending, positions, meta, kv_caches[index], self.rotary)
+            rotary = self.local_rotary if layer.local else self.rotary
+            hidden, pending = layer(hidden, pending, positions, meta, kv_caches[index], rotary)
             if layer_hook is not None:
                 # materialise the residual (the same rounded add as the fused kernel's)
                 hidden, pending = hidden + pending, None
@@ -198,5 +227,21 @@ class DecoderModel:
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [R, hidden] -> fp32 logits [R, vocab]; row-invariant in invariant mode (see Linear)."""
-        return self.lm_head(hidden)
+        """hidden: [R, hidden] -> fp32 logits [R, vocab]; row-invariant in invariant mode (see Linear), then
+        Gemma 2's soft-capping where the model has it (elementwise)."""
+        logits = self.lm_head(hidden)
+        cap = self.spec.final_logit_softcapping
+        return self.ops.softcap(logits, cap) if cap else logits
+
+
+def model_ops(spec: ModelSpec) -> tuple[str, ...]:
+    """The ops a model computes beyond the Llama block's (sorted names; the fingerprint's numerics list
+    them, the self-check probes each): sliding-window attention, GELU-tanh, soft-capping, Gemma's block."""
+    ops = set()
+    if any(spec.layer_window(i) for i in range(spec.num_layers)):
+        ops.add("sliding_window_attention")
+    if spec.is_gemma:
+        ops |= {"gelu_tanh_mul", "gemma_block"}
+    if spec.final_logit_softcapping or spec.attn_logit_softcapping:
+        ops.add("softcap")
+    return tuple(sorted(ops))

@@ -66,12 +66,18 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (spec.hidden_size,)
         shapes[p + "post_attention_layernorm.weight"] = (spec.hidden_size,)
-        shapes[p + "self_attn.q_proj.weight"] = (q_rows, spec.hidden_size)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_rows, spec.hidden_size)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_rows, spec.hidden_size)
+        if spec.fused_projections:
+            shapes[p + "self_attn.qkv_proj.weight"] = (q_rows + 2 * kv_rows, spec.hidden_size)
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (q_rows, spec.hidden_size)
+            shapes[p + "self_attn.k_proj.weight"] = (kv_rows, spec.hidden_size)
+            shapes[p + "self_attn.v_proj.weight"] = (kv_rows, spec.hidden_size)
         shapes[p + "self_attn.o_proj.weight"] = (spec.hidden_size, q_rows)
         if spec.is_moe:
             shapes.update(moe_shapes(spec, i))
+        elif spec.fused_projections:
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * spec.intermediate_size, spec.hidden_size)
+            shapes[p + "mlp.down_proj.weight"] = (spec.hidden_size, spec.intermediate_size)
         else:
             shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, spec.hidden_size)
             shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, spec.hidden_size)
@@ -80,6 +86,9 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (q_rows,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_rows,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_rows,)
+        if spec.is_gemma:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (spec.hidden_size,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (spec.hidden_size,)
         if spec.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (spec.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (spec.head_dim,)

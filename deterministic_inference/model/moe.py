@@ -28,17 +28,23 @@ from deterministic_inference.ops.weights import StoredWeight
 
 
 class GatedMLP:
-    """down(silu(gate(x)) * up(x)); gate and up fused in one linear."""
+    """down(act(gate(x)) * up(x)), act SiLU or (Gemma's GeGLU) GELU-tanh; gate and up fused in one linear
+    (stored fused as gate_up_proj: Phi-3)."""
 
-    def __init__(self, ops: OpsBackend, weights: Mapping[str, StoredWeight], prefix: str) -> None:
+    def __init__(
+        self, ops: OpsBackend, weights: Mapping[str, StoredWeight], prefix: str, gelu_tanh: bool = False
+    ) -> None:
         self.ops = ops
-        self.names = (f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight", f"{prefix}down_proj.weight")
-        self.gate_up = ops.linear([weights[self.names[0]], weights[self.names[1]]])  # [2 * inter, hidden]
-        self.down = ops.linear(weights[self.names[2]])  # [hidden, inter]
+        self.activation = ops.gelu_tanh_mul if gelu_tanh else ops.silu_mul  # [T, 2I] -> [T, I]
+        fused = f"{prefix}gate_up_proj.weight"
+        gate_up = (fused,) if fused in weights else (f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight")
+        self.names = (*gate_up, f"{prefix}down_proj.weight")
+        self.gate_up = ops.linear([weights[name] for name in gate_up])  # [2 * inter, hidden]
+        self.down = ops.linear(weights[self.names[-1]])  # [hidden, inter]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        return self.down(self.ops.silu_mul(self.gate_up(x)))
+        return self.down(self.activation(self.gate_up(x)))
 
     def weight_formats(self) -> dict[str, str]:
         """tensor name -> the format it is computed in."""

@@ -31,6 +31,9 @@ GGUF_ARCHITECTURES = {
     "qwen3": ("qwen3", False),
     "qwen2moe": ("qwen2_moe", False),
     "qwen3moe": ("qwen3_moe", False),
+    "phi3": ("phi3", False),
+    "gemma3": ("gemma3", False),
+    "gemma2": ("gemma2", False),
 }
 _PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 GGUF_MOE_LAYER = {

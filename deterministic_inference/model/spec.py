@@ -11,6 +11,9 @@ Hugging Face (Llama-style) parameter names, so the architectures never see file 
     model.layers.{i}.self_attn.{q,k}_norm.weight   [head_dim] (qwen3 only)
     model.layers.{i}.post_attention_layernorm.weight   [hidden]
     model.layers.{i}.mlp.{gate,up,down}_proj.weight    gate/up: [inter, hidden], down: [hidden, inter]
+  phi3 keeps its fused projections as stored (one GEMM each, as the split ones are computed anyway):
+    model.layers.{i}.self_attn.qkv_proj.weight     [(heads + 2*kv_heads)*head_dim, hidden]: q, k, v rows
+    model.layers.{i}.mlp.gate_up_proj.weight       [2*inter, hidden]: gate rows, then up rows
   mixture-of-experts layers (qwen3_moe, qwen2_moe, mixtral) have instead of the dense MLP:
     model.layers.{i}.mlp.gate.weight               [experts, hidden]: the router
     model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight   like the dense MLP's, moe_inter wide
@@ -26,7 +29,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "phi3",
+    "gemma3",
+    "gemma2",
+)
+GEMMA_ARCHITECTURES = ("gemma3", "gemma2")  # model/gemma.py: sandwich norms, GeGLU, scaled embedding
+FUSED_PROJECTION_ARCHITECTURES = ("phi3",)  # qkv_proj and gate_up_proj stored fused
 MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
 
 
@@ -67,6 +82,33 @@ class ModelSpec:
     moe_intermediate_size: int = 0  # each expert's MLP width
     norm_topk_prob: bool = True  # weights = softmax over the k chosen (else their full-softmax probabilities)
     shared_expert_intermediate_size: int = 0  # a sigmoid-gated shared expert's width (0: none)
+    # Sliding-window attention: a windowed layer's token at position p sees keys p - sliding_window + 1..p
+    sliding_window: int = 0  # 0: none (every layer sees every earlier key)
+    window_layers: tuple[bool, ...] = ()  # per layer, whether it is windowed; () = every layer
+    # Gemma (model/gemma.py)
+    rope_local_theta: float = 0.0  # rope base of the windowed layers (0: rope_theta)
+    query_pre_attn_scalar: float = 0.0  # attention scale = this ** -0.5 (0: head_dim)
+    attn_logit_softcapping: float = 0.0  # scores -> tanh(s / c) * c before the softmax (0: none)
+    final_logit_softcapping: float = 0.0  # logits -> tanh(l / c) * c (0: none)
+
+    def layer_window(self, index: int) -> int:
+        """The sliding window of layer `index` in keys (0: the layer sees every earlier key)."""
+        return self.sliding_window if self.is_local_layer(index) else 0
+
+    def is_local_layer(self, index: int) -> bool:
+        """Whether layer `index` is one of the windowed ("sliding_attention") kind, which Gemma also
+        rotates with its local rope base; () window_layers: every layer when there is a window."""
+        return self.window_layers[index] if self.window_layers else self.sliding_window > 0
+
+    @property
+    def is_gemma(self) -> bool:
+        """True for the Gemma family's block (model/gemma.py)."""
+        return self.architecture in GEMMA_ARCHITECTURES
+
+    @property
+    def fused_projections(self) -> bool:
+        """True when q/k/v and gate/up are stored as one tensor each (qkv_proj, gate_up_proj)."""
+        return self.architecture in FUSED_PROJECTION_ARCHITECTURES
 
     @property
     def is_moe(self) -> bool:

@@ -117,8 +117,15 @@ def paged_attention(
     *,
     scale: float,
     kernels: NativeKernels | None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of every query row over its sequence's cached keys -> [T, H, D] in q's dtype.
+
+    `window` > 0: a sliding window, as HF's: the token at position p sees keys p - window + 1 .. p only
+    (`window_starts`); on the invariant path those keys exactly, in the same fixed order wherever the
+    window's edge falls relative to chunks, cache blocks or the prefix cache. `softcap` > 0: each score s
+    becomes tanh(s / softcap) * softcap before the softmax (Gemma 2).
 
     With `kernels` (invariant mode): the compiled kernel, whose rows are invariant by construction:
     each is computed alone, in an order fixed by the kernel's source, over exactly its own keys, so
@@ -130,13 +137,21 @@ def paged_attention(
     out = torch.empty(q.shape, dtype=torch.float32)
     if kernels is None:
         for rows in meta.sequences:
-            _sdpa_sequence(q, k_cache, v_cache, rows, scale, out)
+            _sdpa_sequence(q, k_cache, v_cache, rows, scale, out, window, softcap)
     else:
         kernels.attention(
             q.float().contiguous(), k_cache, v_cache, meta.block_ids, meta.row_table, meta.row_keys,
-            scale, out,
+            scale, out, row_first=window_starts(meta, window), softcap=softcap,
         )  # fmt: skip
     return out.to(q.dtype)
+
+
+def window_starts(meta: AttentionMetadata, window: int) -> torch.Tensor | None:
+    """[T] int64: the first key each token sees under a sliding window of `window` keys (its position + 1
+    - window, at least 0); None without a window or when no token reaches past it (all start at key 0)."""
+    if window <= 0 or meta.num_tokens == 0 or int(meta.row_keys.max()) <= window:
+        return None
+    return (meta.row_keys - window).clamp_(min=0)
 
 
 def _check_blocks(k_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -166,15 +181,26 @@ def _sdpa_sequence(
     rows: SequenceRows,
     scale: float,
     out: torch.Tensor,  # [T, H, D] fp32, this sequence's rows written
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
-    """Plain SDPA of one sequence's query rows over its cached keys (batch_invariant=False)."""
+    """Plain SDPA of one sequence's query rows over its cached keys (batch_invariant=False); with a soft
+    cap, the same attention written out in torch ops (SDPA cannot cap its scores)."""
     end = rows.start_position + rows.num_rows
     keys, values = sequence_kv(k_cache, v_cache, rows.block_table, end)  # [KVH, L, D]
     token_rows = slice(rows.first_row, rows.first_row + rows.num_rows)
     queries = q[token_rows].float().transpose(0, 1)  # [H, n, D]
     query_pos = torch.arange(rows.start_position, end).view(-1, 1)
     mask = torch.arange(end).view(1, end) <= query_pos  # [n, L]
-    attended = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-    )  # [H, n, D]
+    if window > 0:
+        mask &= torch.arange(end).view(1, end) > query_pos - window
+    if softcap:
+        group = queries.shape[0] // keys.shape[0]
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)  # [H, L, D]
+        scores = torch.tanh(queries @ keys.transpose(1, 2) * scale / softcap) * softcap  # [H, n, L]
+        attended = scores.masked_fill(~mask, -torch.inf).softmax(-1) @ values  # [H, n, D]
+    else:
+        attended = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )  # [H, n, D]
     out[token_rows] = attended.transpose(0, 1)

@@ -94,13 +94,28 @@ class OpsBackend(Protocol):
         ...
 
     def attention(
-        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """q [T, H, D] over each row's cached keys -> [T, H * D] in the model dtype."""
+        """q [T, H, D] over each row's cached keys (the last `window` of them when > 0; scores soft-capped
+        when `softcap` > 0) -> [T, H * D] in the model dtype."""
         ...
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]."""
+        ...
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2I] (gate then up) -> gelu_tanh(gate) * up [T, I] (GeGLU)."""
+        ...
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        """fp32 x -> tanh(x / cap) * cap (Gemma 2's logit soft-capping), a new fp32 tensor."""
         ...
 
     def moe_route(self, logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,15 +204,38 @@ class NativeBackend:
         )  # fmt: skip
 
     def attention(
-        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """The compiled kernel: each row alone over its own keys in a source-fixed order."""
-        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, scale=scale, kernels=self.kernels)
+        """The compiled kernel: each row alone over its own keys (its window's) in a source-fixed order."""
+        out = paged_attention(
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            meta,
+            scale=scale,
+            kernels=self.kernels,
+            window=window,
+            softcap=softcap,
+        )
         return out.to(self.numerics.dtype).reshape(q.shape[0], -1)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """Elementwise in fp32 with the kernels' own exp: each element a function of its inputs only."""
         return self.kernels.silu_mul(gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Elementwise in fp32 with the kernels' own tanh (csrc/rowwise.c): each element from its inputs."""
+        return self.kernels.gelu_tanh_mul(gate_up)
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        """Elementwise with the kernels' own tanh: the same bits on every CPU."""
+        return self.kernels.softcap(x, cap)
 
     def moe_route(self, logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The compiled router: per token, from its own logits only (ties to the lower expert index)."""
@@ -280,15 +318,30 @@ class TorchBackend:
         return q
 
     def attention(
-        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """SDPA per sequence over its cached keys (fp32 inside), rounded to the model dtype."""
-        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, scale=scale, kernels=None)
+        out = paged_attention(
+            q, kv_cache[0], kv_cache[1], meta, scale=scale, kernels=None, window=window, softcap=softcap
+        )
         return out.to(self.numerics.dtype).reshape(q.shape[0], -1)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         inter = gate_up.shape[1] // 2
         return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        inter = gate_up.shape[1] // 2
+        return F.gelu(gate_up[:, :inter], approximate="tanh") * gate_up[:, inter:]
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        return torch.tanh(x / cap) * cap
 
     def moe_route(self, logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return route_torch(logits, k, normalize)

@@ -9,8 +9,8 @@ the same order. Why the bits are the per-op path's: no kernel is replaced and no
 compare both paths bit for bit, with a negative control.
 
 It serves models whose every layer runs on the native backend with kernel-backed linears (quantized
-blocks, or bf16 weights on the bf16 GEMM) and no per-head q/k norm; `FusedDecoder.build` returns None
-otherwise and the per-op path runs.
+blocks, or bf16 weights on the bf16 GEMM), no per-head q/k norm and no sliding window; `FusedDecoder.build`
+returns None otherwise and the per-op path runs.
 """
 
 from __future__ import annotations
@@ -134,7 +134,9 @@ class FusedDecoder:
             dtype, mlp = layer.ops.numerics.dtype, layer.mlp
             if (
                 layer.ops.name != "native"
+                or not layer.fusable
                 or layer.q_norm is not None
+                or layer.window > 0  # sliding windows take the per-op path
                 or not isinstance(mlp, GatedMLP)  # mixture-of-experts layers take the per-op path
                 or dtype not in (torch.float32, torch.bfloat16)
             ):

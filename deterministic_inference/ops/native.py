@@ -36,22 +36,32 @@ class NativeKernels:
         out: torch.Tensor,  # [T, H, D] fp32, rows [first, end) written
         rows: tuple[int, int] | None = None,  # compute only token rows [first, end); default all
         tile: int = 0,  # query tokens of a sequence computed together (1..8); 0 = the kernel's choice
+        row_first: torch.Tensor | None = None,  # [T] int64: first key each token sees (sliding window)
+        softcap: float = 0.0,  # > 0: scores -> tanh(s / softcap) * softcap before the softmax (Gemma 2)
     ) -> None:
-        """Causal attention of each row over its own keys. Invariant by construction (see the C file):
-        the row range and the tile size change speed only."""
-        _check_inputs(q, k_cache, v_cache, out, (block_ids, row_table, row_keys))
+        """Causal attention of each row over its own keys (row_first[t]..row_keys[t]-1 under a sliding
+        window). Invariant by construction (see the C file): the row range and the tile size change speed
+        only."""
+        index = (
+            (block_ids, row_table, row_keys)
+            if row_first is None
+            else (block_ids, row_table, row_keys, row_first)
+        )
+        _check_inputs(q, k_cache, v_cache, out, index)
         first, end = rows if rows is not None else (0, q.shape[0])
         if (
             not 0 <= tile <= 8
             or not 0 <= first <= end <= q.shape[0]
             or row_table.shape[0] != q.shape[0]
             or row_keys.shape[0] != q.shape[0]
+            or (row_first is not None and row_first.shape[0] != q.shape[0])
         ):
             raise ValueError("attention kernel: tile, row range or per-row tensors do not match q")
-        status = self.library.detinf_attention(
+        status = self.library.detinf_attention_window(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
-            block_ids.data_ptr(), block_ids.shape[0], row_table.data_ptr(), row_keys.data_ptr(), first, end,
-            q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[3], k_cache.shape[0], scale,
+            block_ids.data_ptr(), block_ids.shape[0], row_table.data_ptr(), row_keys.data_ptr(),
+            None if row_first is None else row_first.data_ptr(), first, end,
+            q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[3], k_cache.shape[0], scale, softcap,
             out.data_ptr(), tile,
         )  # fmt: skip
         if status == 2:
@@ -97,6 +107,27 @@ class NativeKernels:
             out.shape[1],
             int(gate_up.dtype == torch.bfloat16),
         )
+        return out
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [M, 2I] (gate then up) -> gelu_tanh(gate) * up [M, I] (GeGLU), elementwise in fp32 with
+        the kernels' own tanh, model dtype out."""
+        _check_activations((gate_up,), gate_up.dtype)
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise ValueError("gelu_tanh_mul: gate_up must be [M, 2 * intermediate]")
+        out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
+        bf16 = int(gate_up.dtype == torch.bfloat16)
+        self.library.detinf_gelu_tanh_mul(
+            gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1], bf16
+        )
+        return out
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        """tanh(x / cap) * cap of fp32 `x` (any shape) -> a new fp32 tensor; elementwise."""
+        if x.dtype != torch.float32:
+            raise ValueError("softcap: x must be fp32")
+        out = x.contiguous().clone()
+        self.library.detinf_softcap(out.data_ptr(), out.numel(), cap)
         return out
 
     def rotary_write_kv(
@@ -243,6 +274,11 @@ def load(path: Path) -> NativeKernels:
         pointer, pointer, pointer, ctypes.c_int, pointer, i64, pointer, pointer,
         i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, pointer, i64,
     ]  # fmt: skip
+    library.detinf_attention_window.restype = ctypes.c_int
+    library.detinf_attention_window.argtypes = [
+        pointer, pointer, pointer, ctypes.c_int, pointer, i64, pointer, pointer, pointer,
+        i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, pointer, i64,
+    ]  # fmt: skip
     library.detinf_add_rms_norm.restype = None
     library.detinf_add_rms_norm.argtypes = [
         pointer,
@@ -256,6 +292,10 @@ def load(path: Path) -> NativeKernels:
     ]
     library.detinf_silu_mul.restype = None
     library.detinf_silu_mul.argtypes = [pointer, pointer, i64, i64, ctypes.c_int]
+    library.detinf_gelu_tanh_mul.restype = None
+    library.detinf_gelu_tanh_mul.argtypes = [pointer, pointer, i64, i64, ctypes.c_int]
+    library.detinf_softcap.restype = None
+    library.detinf_softcap.argtypes = [pointer, i64, ctypes.c_float]
     library.detinf_rotary_write_kv.restype = ctypes.c_int
     library.detinf_rotary_write_kv.argtypes = [pointer] * 9 + [i64] * 7 + [ctypes.c_int]
     library.detinf_pack_bf16.restype = None

@@ -149,8 +149,17 @@ def elementwise_probes(
             _rows(2 * width, dtype, generator),
         )
     }
+    activation, act_name = (
+        (ops.gelu_tanh_mul, "gelu_tanh_mul") if spec.is_gemma else (ops.silu_mul, "silu_mul")
+    )
     for inter in mlp_widths(spec):
-        probes[f"silu_mul [M, {inter}] {name}"] = (ops.silu_mul, 3 * _rows(2 * inter, dtype, generator))
+        probes[f"{act_name} [M, {inter}] {name}"] = (activation, 3 * _rows(2 * inter, dtype, generator))
+    if spec.final_logit_softcapping:
+        cap = spec.final_logit_softcapping
+        probes[f"softcap [M, {spec.vocab_size}] cap {cap:g} fp32"] = (
+            lambda x: ops.softcap(x, cap),
+            4 * cap * _rows(spec.vocab_size, torch.float32, generator),
+        )
     probes |= {
         f"rotary [M, qkv {spec.num_heads}+2x{spec.num_kv_heads}x{spec.head_dim}] {name}": (
             rotary_fn(ops, spec),
@@ -271,9 +280,12 @@ class AttentionWorld:
         lengths: list[int],
         generator: torch.Generator,
         block_size: int = BLOCK_SIZE,
+        window: int = 0,  # a sliding window of this many keys (0: none)
+        softcap: float = 0.0,  # the scores' soft cap (0: none)
     ) -> None:
         heads, kv_heads, head_dim = shape
         self.dtype = dtype
+        self.window, self.softcap = window, softcap
         self.block_size = block_size
         per_seq = [-(-length // block_size) for length in lengths]
         self.k_cache, self.v_cache = new_kv_cache(sum(per_seq) + 1, block_size, kv_heads, head_dim, dtype)
@@ -301,7 +313,10 @@ class AttentionWorld:
         )
         q = torch.cat([self.queries[seq][start : start + n] for seq, start, n in items])  # [T, H, D]
         ops = select_backend(Numerics(self.dtype, batch_invariant, 4))
-        out = ops.attention(q, (self.k_cache, self.v_cache), meta, q.shape[-1] ** -0.5).view(q.shape)
+        scale = q.shape[-1] ** -0.5
+        out = ops.attention(q, (self.k_cache, self.v_cache), meta, scale, self.window, self.softcap).view(
+            q.shape
+        )
         rows = {}
         for seq_rows, (seq, start, n) in zip(meta.sequences, items, strict=True):
             for r in range(n):
@@ -309,15 +324,23 @@ class AttentionWorld:
         return rows
 
 
+# keys of the window a sliding-window probe uses (it starts inside a block; shorter than the probe)
+PROBED_WINDOW = 37
+
+
 def attention_probe(
-    spec: ModelSpec, ops: OpsBackend, threads: int, generator: torch.Generator
+    spec: ModelSpec, ops: OpsBackend, threads: int, generator: torch.Generator, window: int = 0
 ) -> ProbeResult:
     """Sequence 0's rows: one prefill (one thread) vs chunks, decode alone, decode and prefill beside
-    other sequences."""
+    other sequences. `window` > 0: the model's sliding-window attention, probed with a window of
+    min(window, PROBED_WINDOW) keys so that most rows' windows start inside a block (the same code)."""
     length = 2 * 64 + 7
     shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
     numerics = ops.numerics
-    world = AttentionWorld(shape, numerics.dtype, [length, 3 * 64 + 1, 5], generator)
+    probed, cap = min(window, PROBED_WINDOW), spec.attn_logit_softcapping
+    world = AttentionWorld(
+        shape, numerics.dtype, [length, 3 * 64 + 1, 5], generator, window=probed, softcap=cap
+    )
     with torch_threads(1):
         reference = world.run([(0, 0, length)], numerics.batch_invariant)
     positions = sorted({0, 1, 15, 16, 17, 63, 64, 65, 128, length - 1})
@@ -329,6 +352,10 @@ def attention_probe(
     plans["decode beside others"] = [[(1, 3 * 64, 1), (0, p, 1), (2, 4, 1)] for p in positions]
     plans["prefill beside another sequence"] = [[(1, 3 * 64 + 1 - length, length), (0, 0, length), (2, 0, 5)]]
     label = f"heads {spec.num_heads}/{spec.num_kv_heads}x{spec.head_dim} {dtype_name(numerics.dtype)}"
+    if window:
+        label += f" window {window} (probed at {probed})"
+    if cap:
+        label += f" softcap {cap:g}"
     compared = 0
     for name, plan in plans.items():
         for items in plan:

@@ -130,7 +130,8 @@ class SelfCheck:
         threads, generator = self.threads, self.generator
         with torch_threads(threads):
             results = elementwise_probes(spec, ops, threads, generator)
-            results.append(attention_probe(spec, ops, threads, generator))
+            for window in sorted({spec.layer_window(i) for i in range(spec.num_layers)}):
+                results.append(attention_probe(spec, ops, threads, generator, window))
         self._op_results = results
         self.seconds += time.perf_counter() - start
 

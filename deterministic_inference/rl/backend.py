@@ -168,15 +168,29 @@ class TrainableBackend:
         return result
 
     def attention(
-        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """The compiled kernel over the scratch cache; backward through the k, v the rotary op wrote."""
+        if window > 0 or softcap > 0:
+            raise NotImplementedError("the trainable backend has no sliding-window or soft-capped attention")
         if not isinstance(kv_cache, LayerKV) or kv_cache.written is None:
             raise TypeError("attention: the layer's rotary op has not written this LayerKV")
         kernel = functools.partial(self.native.attention, kv_cache=kv_cache, meta=meta, scale=scale)
         k, v = kv_cache.written
         out: torch.Tensor = functions.AttentionFn.apply(kernel, meta, scale, q, k, v)
         return out
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("the trainable backend has no GELU-tanh MLP (its backward)")
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        raise NotImplementedError("the trainable backend has no logit soft-capping (its backward)")
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = functions.SiluMulFn.apply(self.native.silu_mul, gate_up)

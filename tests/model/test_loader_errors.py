@@ -125,13 +125,27 @@ def test_weights_not_matching_config(tiny_llama_dir: TinyModel, tmp_path: Path) 
         load_model(str(path))
 
 
-def test_mistral_sliding_window_is_refused(tiny_llama_dir: TinyModel, tmp_path: Path) -> None:
+def test_sliding_window_is_read_and_bad_layer_types_refused(
+    tiny_llama_dir: TinyModel, tmp_path: Path
+) -> None:
+    """Mistral's window is implemented (tests/model/test_architectures.py); one no sequence can cross is
+    none; Qwen's only under use_sliding_window; layer_types must name every layer."""
     path = _copy(tiny_llama_dir, tmp_path / "m")
     _edit_config(path, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=128)
-    with pytest.raises(ModelLoadError, match="sliding_window=128"):
-        load_model(str(path))
+    assert load_model(str(path)).spec.sliding_window == 128
+    _edit_config(path, sliding_window=4096)
+    assert load_model(str(path)).spec.sliding_window == 0
     _edit_config(path, sliding_window=None)
     assert load_model(str(path)).spec.architecture == "llama"
+    _edit_config(path, sliding_window=64, layer_types=["sliding_attention"])
+    with pytest.raises(ModelLoadError, match="layer_types must list 2"):
+        load_model(str(path))
+    _edit_config(path, layer_types=["full_attention", "sliding_attention"])
+    assert load_model(str(path)).spec.window_layers == (False, True)
+    _edit_config(path, model_type="qwen2", architectures=["Qwen2ForCausalLM"], layer_types=None)
+    assert load_model(str(path)).spec.sliding_window == 0  # use_sliding_window is off
+    _edit_config(path, use_sliding_window=True, max_window_layers=1)
+    assert load_model(str(path)).spec.window_layers == (False, True)
 
 
 def test_unsupported_rope_scaling(tiny_llama_dir: TinyModel, tmp_path: Path) -> None:

@@ -35,9 +35,17 @@ HEAD_SHAPES = {"smollm2": (HEADS, KV_HEADS, HEAD_DIM), "tiny": (TINY_HEADS, TINY
 Items = list[tuple[int, int, int]]  # (sequence, start position, query tokens) of one step
 
 
-def make_world(head_shape: str, dtype: torch.dtype, seed: int = 0, block_size: int = 16) -> AttentionWorld:
+def make_world(
+    head_shape: str,
+    dtype: torch.dtype,
+    seed: int = 0,
+    block_size: int = 16,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> AttentionWorld:
     generator = torch.Generator().manual_seed(seed)
-    return AttentionWorld(HEAD_SHAPES[head_shape], dtype, [LENGTH, *OTHERS], generator, block_size)
+    shape = HEAD_SHAPES[head_shape]
+    return AttentionWorld(shape, dtype, [LENGTH, *OTHERS], generator, block_size, window, softcap)
 
 
 def plans() -> dict[str, list[Items]]:
@@ -130,3 +138,75 @@ def test_metadata_for_another_cache_is_refused() -> None:
     q = torch.zeros(1, TINY_HEADS, TINY_HEAD_DIM)
     with pytest.raises(ValueError, match="does not fit a cache"):
         paged_attention(q, world.k_cache, world.v_cache, meta, scale=1.0, kernels=native_kernels())
+
+
+# Sliding windows: 1 key; a block exactly; 24 and 37 keys, whose start moves through the blocks
+WINDOWS = [1, 16, 24, 37]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_shape", list(HEAD_SHAPES))
+def test_window_rows_equal_across_prefill_chunks_decode_and_groups(
+    head_shape: str, dtype: torch.dtype, window: int
+) -> None:
+    """A windowed row's bits do not depend on the chunk, the step's other rows or the block its window
+    starts in (every plan's windows cross chunk and block boundaries), nor on 1 vs 2 threads."""
+    assert mismatches(make_world(head_shape, dtype, window=window), True, threads=2) == []
+
+
+def test_window_block_size_8_is_invariant_too() -> None:
+    world = make_world("smollm2", torch.bfloat16, seed=1, block_size=8, window=24)
+    assert mismatches(world, True, threads=2) == []
+
+
+def test_negative_control_plain_windowed_attention_differs() -> None:
+    assert mismatches(make_world("smollm2", torch.float32, window=24), False, threads=1) != []
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_window_rows_attend_exactly_their_window(window: int) -> None:
+    """Against a float64 softmax over keys p - window + 1 .. p of each position p."""
+    world = make_world("tiny", torch.float32, window=window)
+    rows = world.run([(0, 0, LENGTH)], True)
+    keys, values = sequence_kv(world.k_cache, world.v_cache, world.tables[0], LENGTH)  # [KVH, L, D]
+    group = TINY_HEADS // TINY_KV_HEADS
+    keys, values = (t.double().repeat_interleave(group, 0) for t in (keys, values))  # [H, L, D]
+    for p in range(LENGTH):
+        first = max(0, p - window + 1)
+        q = world.queries[0][p].double()  # [H, D]
+        scores = torch.einsum("hd,hld->hl", q, keys[:, first : p + 1]) * TINY_HEAD_DIM**-0.5
+        expected = torch.einsum("hl,hld->hd", scores.softmax(-1), values[:, first : p + 1])
+        torch.testing.assert_close(rows[(0, p)].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_window_wider_than_the_sequence_is_full_attention_bit_for_bit() -> None:
+    """Rows whose window reaches key 0 take the unwindowed kernel's path and bits; a wider window too."""
+    full = make_world("smollm2", torch.bfloat16).run([(0, 0, LENGTH)], True)
+    for window in (LENGTH, 1000):
+        windowed = make_world("smollm2", torch.bfloat16, window=window).run([(0, 0, LENGTH)], True)
+        assert all(torch.equal(bits(windowed[key]), bits(full[key])) for key in full)
+    cut = make_world("smollm2", torch.bfloat16, window=24).run([(0, 0, LENGTH)], True)
+    assert all(torch.equal(bits(cut[(0, p)]), bits(full[(0, p)])) for p in range(24))
+    assert not any(torch.equal(bits(cut[(0, p)]), bits(full[(0, p)])) for p in range(24, LENGTH))
+
+
+@pytest.mark.parametrize("window", [0, 24])
+def test_soft_capped_rows_are_invariant_and_capped(window: int) -> None:
+    """Gemma 2: scores -> tanh(s / c) * c before the softmax; rows equal across every plan, and equal a
+    float64 reference over their window."""
+    world = make_world("tiny", torch.float32, window=window, softcap=2.0)
+    assert mismatches(world, True, threads=2) == []
+    rows = world.run([(0, 0, LENGTH)], True)
+    keys, values = sequence_kv(world.k_cache, world.v_cache, world.tables[0], LENGTH)  # [KVH, L, D]
+    group = TINY_HEADS // TINY_KV_HEADS
+    keys, values = (t.double().repeat_interleave(group, 0) for t in (keys, values))  # [H, L, D]
+    for p in range(LENGTH):
+        first = max(0, p - window + 1) if window else 0
+        q = world.queries[0][p].double()  # [H, D]
+        scores = torch.einsum("hd,hld->hl", q, keys[:, first : p + 1]) * TINY_HEAD_DIM**-0.5
+        scores = torch.tanh(scores / 2.0) * 2.0
+        expected = torch.einsum("hl,hld->hd", scores.softmax(-1), values[:, first : p + 1])
+        torch.testing.assert_close(rows[(0, p)].double(), expected, rtol=1e-5, atol=1e-6)
+    plain = make_world("tiny", torch.float32, window=window, softcap=2.0).run([(0, 0, LENGTH)], False)
+    torch.testing.assert_close(plain[(0, LENGTH - 1)], rows[(0, LENGTH - 1)], rtol=1e-5, atol=1e-6)

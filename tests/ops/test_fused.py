@@ -126,3 +126,19 @@ def test_fused_equals_per_op_on_the_default_model() -> None:
     model = model_of(None, "bfloat16")
     assert model.fused is not None
     assert same(run_steps(model, fused=True), run_steps(model, fused=False))
+
+
+def test_phi3_fused_projections_go_through_the_fused_path(tmp_path: Path) -> None:
+    """Phi-3 without a window: its stored-fused qkv / gate_up (Q8_0) are single parts of the same GEMMs, so
+    the fused decoder serves it, bit for bit the per-op path; with a window it takes the per-op path."""
+    from tests.arch_models import build_arch_hf, write_arch_gguf
+
+    tiny = build_arch_hf(tmp_path / "phi3", "phi3", window=None)
+    model = model_of(write_arch_gguf(tiny, tmp_path / "phi3.Q8_0.gguf", quant="Q8_0"), "bfloat16")
+    assert model.fused is not None and model.spec.sliding_window == 0
+    assert same(run_steps(model, fused=True), run_steps(model, fused=False))
+    windowed = build_arch_hf(tmp_path / "phi3w", "phi3")
+    assert (
+        model_of(write_arch_gguf(windowed, tmp_path / "phi3w.Q8_0.gguf", quant="Q8_0"), "bfloat16").fused
+        is None
+    )

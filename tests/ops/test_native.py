@@ -275,6 +275,10 @@ def _bad_inputs() -> Iterator[tuple[str, dict[str, Any], str]]:
     yield "negative block id", {"block_ids": torch.tensor([-1])}, "out of range"
     yield "table past block_ids", {"row_keys": torch.tensor([1, 9])}, "out of range"
     yield "row with no key", {"row_keys": torch.tensor([0, 1])}, "out of range"
+    yield "window starting at its last key", {"row_first": valid["row_keys"].clone()}, "out of range"
+    yield "negative window start", {"row_first": torch.tensor([-1, 0])}, "out of range"
+    yield "window starts shorter than q", {"row_first": torch.tensor([0])}, "per-row tensors"
+    yield "int32 window starts", {"row_first": torch.tensor([0, 0], dtype=torch.int32)}, "int64"
 
 
 @pytest.mark.parametrize(

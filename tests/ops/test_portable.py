@@ -50,6 +50,9 @@ def all_outputs(kernels: NativeKernels) -> list[torch.Tensor]:
         x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
         bias = torch.randn(n, generator=gen)
         out.append(portable.gemm_f32(kernels, x, portable.pack_f32(kernels, w), n, bias))
+    gate_up = 4 * torch.randn(9, 2 * 77, generator=gen)  # Gemma's GeGLU and soft-capping (csrc/rowwise.c)
+    out.extend(kernels.gelu_tanh_mul(gate_up.to(dtype)).float() for dtype in (torch.float32, torch.bfloat16))
+    out.append(kernels.softcap(60 * torch.randn(5, 1000, generator=gen), 30.0))
     return out
 
 

@@ -9,7 +9,11 @@
      l         = sum_j p[j]                    16 lane partial sums over j, then a fixed tree
      acc[d]    = sum_j p[j] * v_j[d]           fused multiply-adds over j ascending, each d on its own
      out[d]    = acc[d] / l
-   where j runs over the row's own keys 0..n-1 and nothing else. No row reads another row's data, so
+   where j runs over the row's own keys and nothing else: 0..n-1, or under a sliding window the keys
+   f..n-1 of the window alone (the same operations with the window's keys counted from f: key f + i goes
+   to lane i % 16 of the sum; the scores and value sums still visit the cache blocks in ascending order,
+   from the block holding key f).
+   With a soft cap c > 0 (Gemma 2) each score becomes tanh(scores[j] / c) * c (common.h's tanh) before m. No row reads another row's data, so
    a row's bits cannot depend on the batch, the chunk it is in, the number of rows per call or the
    thread that computes it. With 16-key blocks and head_dim a multiple of 16 (attention_tile.c), rows of
    up to a few consecutive tokens of one sequence share each loaded key and value vector (a tile), each
@@ -38,31 +42,39 @@ static inline void block_scores(const float *q, const float *keys_t, int64_t dim
     for (int64_t l = 0; l < block; l++) scores[l] = scores[l] * scale;
 }
 
-/* The same sums for any head_dim, one row at a time. */
-static void values_any(const attention_args *a, const int64_t *table, int64_t kvh, int64_t keys,
-                       const float *p, float *acc, float *tile) {
+/* The first key row r sees: 0, or its sliding window's start. */
+static inline int64_t first_key(const attention_args *a, int64_t r) {
+    return a->row_first == NULL ? 0 : a->row_first[r];
+}
+
+/* The same sums for any head_dim, one row at a time: keys first..keys-1, p[j - base] the weight of key j. */
+static void values_any(const attention_args *a, const int64_t *table, int64_t kvh, int64_t first, int64_t keys,
+                       int64_t base, const float *p, float *acc, float *tile) {
     const int64_t dim = a->head_dim, block = a->block;
     memset(acc, 0, sizeof(float) * (size_t)dim);
-    for (int64_t j = 0; j < keys; j++) {
+    for (int64_t j = first; j < keys; j++) {
         load_row(a->v_cache, ((table[j / block] * a->kv_heads + kvh) * block + j % block) * dim, tile, dim,
                  a->bf16);
-        for (int64_t d = 0; d < dim; d++) acc[d] = fmaf(p[j], tile[d], acc[d]);
+        for (int64_t d = 0; d < dim; d++) acc[d] = fmaf(p[j - base], tile[d], acc[d]);
     }
 }
 
-/* Scores and value sums of rows first..first+n-1 of the group (n literal 1..4 where the kernels allow). */
-static void attend_rows(const attention_args *a, const int64_t *table, int64_t kvh, int64_t keys, int64_t stride,
-                        const float *q, int64_t first, int64_t n, const workspace *w) {
+/* Scores and value sums of rows first..first+n-1 of the group (n literal 1..4 where the kernels allow) over
+   keys window..keys-1: the blocks from the one holding key `window` (fb), ascending; the scores of block b
+   at (b - fb) * block in the row's scratch, so key j at j - fb * block. */
+static void attend_rows(const attention_args *a, const int64_t *table, int64_t kvh, int64_t window, int64_t keys,
+                        int64_t stride, const float *q, int64_t first, int64_t n, const workspace *w) {
     const int64_t dim = a->head_dim, block = a->block, num_blocks = (keys + block - 1) / block;
+    const int64_t fb = window / block, skip = window - fb * block; /* keys of block fb before the window */
     const float *rows_q[4];
     float *rows_scores[4], *rows_acc[4];
     for (int64_t i = 0; i < n; i++) {
         rows_q[i] = q + (first + i) * dim;
         rows_acc[i] = w->acc + (first + i) * dim;
     }
-    for (int64_t b = 0; b < num_blocks; b++) {
+    for (int64_t b = fb; b < num_blocks; b++) {
         const int64_t offset = (table[b] * a->kv_heads + kvh) * dim * block;
-        for (int64_t i = 0; i < n; i++) rows_scores[i] = w->scores + (first + i) * stride + b * block;
+        for (int64_t i = 0; i < n; i++) rows_scores[i] = w->scores + (first + i) * stride + (b - fb) * block;
         if (block == 16) {
             for (int64_t i = 0; i < n; i++)
                 detinf_rows_scores16(1, rows_q[i], a->k_cache, offset, dim, a->bf16, a->scale, rows_scores[i]);
@@ -72,35 +84,43 @@ static void attend_rows(const attention_args *a, const int64_t *table, int64_t k
         }
     }
     const float *rows_p[4];
+    if (a->softcap > 0.0f) {
+        for (int64_t i = 0; i < n; i++) {
+            float *row = w->scores + (first + i) * stride + skip;
+            for (int64_t j = 0; j < keys - window; j++) row[j] = tanh_portable(row[j] / a->softcap) * a->softcap;
+        }
+    }
     for (int64_t i = 0; i < n; i++) {
         float *row = w->scores + (first + i) * stride;
-        w->totals[first + i] = exp_and_sum(row, keys, LANES);
+        w->totals[first + i] = exp_and_sum(row + skip, keys - window, LANES);
         rows_p[i] = row;
     }
     if (dim % 16 != 0) {
-        for (int64_t i = 0; i < n; i++) values_any(a, table, kvh, keys, rows_p[i], rows_acc[i], w->tile);
+        for (int64_t i = 0; i < n; i++)
+            values_any(a, table, kvh, window, keys, fb * block, rows_p[i], rows_acc[i], w->tile);
         return;
     }
     for (int64_t i = 0; i < n; i++) memset(rows_acc[i], 0, sizeof(float) * (size_t)dim);
-    for (int64_t b = 0; b < num_blocks; b++) {
+    for (int64_t b = fb; b < num_blocks; b++) {
         const int64_t offset = (table[b] * a->kv_heads + kvh) * block * dim;
         const int64_t count = keys - b * block < block ? keys - b * block : block;
         const float *block_p[4];
-        for (int64_t i = 0; i < n; i++) block_p[i] = rows_p[i] + b * block;
+        for (int64_t i = 0; i < n; i++) block_p[i] = rows_p[i] + (b - fb) * block;
         for (int64_t i = 0; i < n; i++)
-            detinf_rows_values16(1, block_p[i], a->v_cache, offset, 0, count, dim, a->bf16, rows_acc[i]);
+            detinf_rows_values16(1, block_p[i], a->v_cache, offset, b == fb ? skip : 0, count, dim, a->bf16,
+                                 rows_acc[i]);
     }
 }
 
 /* All query heads of KV head kvh for row r: G output rows of D values, in groups of up to 4 rows. */
 static void attend(const attention_args *a, int64_t r, int64_t kvh, const workspace *w) {
     const int64_t heads = a->heads, kv_heads = a->kv_heads, dim = a->head_dim, block = a->block;
-    const int64_t group = heads / kv_heads, keys = a->row_keys[r];
+    const int64_t group = heads / kv_heads, keys = a->row_keys[r], window = first_key(a, r);
     const int64_t *table = a->block_ids + a->row_table[r];
-    const int64_t stride = (keys + block - 1) / block * block;
+    const int64_t stride = (keys - window / block * block + block - 1) / block * block;
     const float *q = a->q + (r * heads + kvh * group) * dim; /* the group's heads are consecutive */
     for (int64_t first = 0; first < group; first += 4) {
-        attend_rows(a, table, kvh, keys, stride, q, first, group - first < 4 ? group - first : 4, w);
+        attend_rows(a, table, kvh, window, keys, stride, q, first, group - first < 4 ? group - first : 4, w);
     }
     for (int64_t g = 0; g < group; g++) {
         float *dst = a->out + (r * heads + kvh * group + g) * dim;
@@ -108,14 +128,16 @@ static void attend(const attention_args *a, int64_t r, int64_t kvh, const worksp
     }
 }
 
-/* 1 when a row sees no key, or its block table runs past block_ids or names a block outside the cache. */
+/* 1 when a row sees no key (its window starts at or past its last key), or the blocks of its keys in its
+   block table run past block_ids or name a block outside the cache (blocks before its window are not read). */
 static int rows_out_of_range(const int64_t *block_ids, int64_t num_ids, const int64_t *row_table,
-                             const int64_t *row_keys, int64_t first_row, int64_t end_row, int64_t block,
-                             int64_t num_blocks) {
+                             const int64_t *row_keys, const int64_t *row_first, int64_t first_row, int64_t end_row,
+                             int64_t block, int64_t num_blocks) {
     for (int64_t r = first_row; r < end_row; r++) {
-        const int64_t needed = (row_keys[r] + block - 1) / block;
-        if (row_keys[r] < 1 || row_table[r] < 0 || row_table[r] + needed > num_ids) return 1;
-        for (int64_t b = 0; b < needed; b++) {
+        const int64_t needed = (row_keys[r] + block - 1) / block, first = row_first == NULL ? 0 : row_first[r];
+        if (row_keys[r] < 1 || first < 0 || first >= row_keys[r]) return 1;
+        if (row_table[r] < 0 || row_table[r] + needed > num_ids) return 1;
+        for (int64_t b = first / block; b < needed; b++) {
             const int64_t id = block_ids[row_table[r] + b];
             if (id < 0 || id >= num_blocks) return 1;
         }
@@ -149,23 +171,36 @@ static int64_t split_tiles(const int64_t *row_table, int64_t first_row, int64_t 
     return count;
 }
 
+/* 1 when some row of [first_row, end_row) starts past key 0 (a sliding window cuts its keys). */
+static int any_window(const int64_t *row_first, int64_t first_row, int64_t end_row) {
+    if (row_first == NULL) return 0;
+    for (int64_t r = first_row; r < end_row; r++)
+        if (row_first[r] > 0) return 1;
+    return 0;
+}
+
 /* Computes rows [first_row, end_row), every head, `tile` query tokens of a sequence at a time on the
-   fast path (0: the kernel's choice). Returns 0; 1 when a workspace could not be allocated (some rows
-   are then not written); 2 when an index is out of range (nothing is written). */
-int detinf_attention(const float *q, const void *k_cache, const void *v_cache, int cache_is_bf16,
-                     const int64_t *block_ids, int64_t num_ids, const int64_t *row_table,
-                     const int64_t *row_keys, int64_t first_row, int64_t end_row, int64_t heads,
-                     int64_t kv_heads, int64_t head_dim, int64_t block, int64_t num_blocks, float scale,
-                     float *out, int64_t tile) {
-    if (rows_out_of_range(block_ids, num_ids, row_table, row_keys, first_row, end_row, block, num_blocks))
+   fast path (0: the kernel's choice); row r over keys row_first[r]..row_keys[r]-1 (row_first NULL: from
+   key 0), its scores soft-capped when softcap > 0. Soft-capped calls and rows cut by a window take the
+   generic loops (the tiles share key loads between rows that see the same keys from 0; a row that sees
+   them from 0 uncapped has the same bits on either path). Returns 0; 1 when a workspace could not be
+   allocated (some rows are then not written); 2 when an index is out of range (nothing is written). */
+int detinf_attention_window(const float *q, const void *k_cache, const void *v_cache, int cache_is_bf16,
+                            const int64_t *block_ids, int64_t num_ids, const int64_t *row_table,
+                            const int64_t *row_keys, const int64_t *row_first, int64_t first_row, int64_t end_row,
+                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block, int64_t num_blocks,
+                            float scale, float softcap, float *out, int64_t tile) {
+    if (rows_out_of_range(block_ids, num_ids, row_table, row_keys, row_first, first_row, end_row, block,
+                          num_blocks))
         return 2;
-    const attention_args a = {q,     k_cache,  v_cache,  cache_is_bf16, block_ids, row_table, row_keys,
-                              heads, kv_heads, head_dim, block,         scale,     out, end_row};
+    const attention_args a = {q,     k_cache,  v_cache, cache_is_bf16, block_ids, row_table, row_keys, row_first,
+                              heads, kv_heads, head_dim, block,         scale,     softcap,   out,       end_row};
     int64_t max_keys = 1;
     for (int64_t r = first_row; r < end_row; r++) max_keys = a.row_keys[r] > max_keys ? a.row_keys[r] : max_keys;
     const size_t stride = (size_t)((max_keys + block - 1) / block * block);
     const int64_t group = heads / kv_heads;
-    const int fast = block == 16 && head_dim % 16 == 0 && group <= MAX_TILE_TOKENS * MAX_SHARED_ROWS;
+    const int fast = block == 16 && head_dim % 16 == 0 && group <= MAX_TILE_TOKENS * MAX_SHARED_ROWS &&
+                     softcap == 0.0f && !any_window(row_first, first_row, end_row);
     const int64_t tokens = fast ? tile_tokens(group, tile) : 1;
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(end_row - first_row + 1));
     if (starts == NULL) return 1;
@@ -204,6 +239,17 @@ int detinf_attention(const float *q, const void *k_cache, const void *v_cache, i
     }
     free(starts);
     return status;
+}
+
+/* detinf_attention_window with every row's keys from key 0 (no sliding window). */
+int detinf_attention(const float *q, const void *k_cache, const void *v_cache, int cache_is_bf16,
+                     const int64_t *block_ids, int64_t num_ids, const int64_t *row_table,
+                     const int64_t *row_keys, int64_t first_row, int64_t end_row, int64_t heads,
+                     int64_t kv_heads, int64_t head_dim, int64_t block, int64_t num_blocks, float scale,
+                     float *out, int64_t tile) {
+    return detinf_attention_window(q, k_cache, v_cache, cache_is_bf16, block_ids, num_ids, row_table, row_keys,
+                                   NULL, first_row, end_row, heads, kv_heads, head_dim, block, num_blocks, scale,
+                                   0.0f, out, tile);
 }
 
 /* The kernel's exp, exposed so tests can compare it with a float64 reference. */

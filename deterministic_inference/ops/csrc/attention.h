@@ -176,8 +176,9 @@ __attribute__((noinline)) static float exp_and_sum(float *scores, int64_t keys, 
 /* The caches of one layer hold blocks of `block` slots (slot = block_id * block + offset):
      keys   [num_blocks, KVH, D, block]   a head's keys transposed inside a block (key index fastest)
      values [num_blocks, KVH, block, D]
-   Row r is query token r (row r of q and out); it sees keys 0..row_keys[r]-1 of the sequence whose
-   block table starts at block_ids[row_table[r]]. q, out: [T, H, D] fp32. */
+   Row r is query token r (row r of q and out); it sees keys row_first[r]..row_keys[r]-1 (row_first NULL:
+   from key 0; a sliding window otherwise) of the sequence whose block table starts at
+   block_ids[row_table[r]]. q, out: [T, H, D] fp32. */
 typedef struct {
     const float *q;
     const void *k_cache;
@@ -186,8 +187,10 @@ typedef struct {
     const int64_t *block_ids;
     const int64_t *row_table;
     const int64_t *row_keys;
+    const int64_t *row_first; /* NULL, or [T]: the first key each row sees (its window's start) */
     int64_t heads, kv_heads, head_dim, block;
     float scale;
+    float softcap; /* > 0: scores -> tanh(s / softcap) * softcap before the softmax (Gemma 2); 0: none */
     float *out;
     int64_t end_row; /* rows [first_row, end_row) are computed: their block tables were checked */
 } attention_args;

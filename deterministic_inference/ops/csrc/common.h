@@ -86,4 +86,15 @@ static inline float exp_in_range(float x) {
     return p * scale;
 }
 
+/* exp(x) for any float x, clamped to [-87, 88] where exp stays a normal float. */
+static inline float exp_clamped(float x) { return exp_in_range(x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x)); }
+
+/* tanh(u) = sign(u) (1 - e) / (1 + e) with e = exp(-2 |u|) (exp_clamped: e stops at its smallest value
+   for large |u|, where the quotient rounds to 1), u's sign copied (so tanh(-0) = -0). About 1e-7 absolute
+   error; every operation a fixed IEEE one, so the same bits on every CPU. */
+static inline float tanh_portable(float u) {
+    const float e = exp_clamped(-2.0f * fabsf(u));
+    return copysignf((1.0f - e) / (1.0f + e), u);
+}
+
 #endif

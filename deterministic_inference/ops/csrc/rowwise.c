@@ -1,5 +1,5 @@
 /* Row-wise decoder ops for deterministic-inference: RMSNorm (with the residual add), the gated-MLP
-   activation and the rotary embedding with the KV-cache write.
+   activations (SiLU, GELU-tanh), logit soft-capping and the rotary embedding with the KV-cache write.
 
    Same promise as attention.c: every output element is a fixed sequence of IEEE float operations on
    its own row (the only reduction, RMSNorm's sum of squares, runs in 16 lane partial sums over the
@@ -22,9 +22,6 @@ static inline void store_act(void *base, int64_t i, float value, int bf16) {
     if (bf16) ((uint16_t *)base)[i] = f32_to_bf16(value);
     else ((float *)base)[i] = value;
 }
-
-/* exp(x) for any float x, clamped to [-87, 88] where exp stays a normal float. */
-static inline float exp_clamped(float x) { return exp_in_range(x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x)); }
 
 /* hidden[r] (+)= delta[r] (when delta is given), then out[r] = weight * round(hidden[r] * rsqrt(mean(
    hidden[r]^2) + eps)): HF Llama's RMSNorm on the residual stream, for row r of width `width`. hidden,
@@ -89,6 +86,34 @@ void detinf_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter
         if (model_bf16) silu_mul_row(gate_up, out, r, inter, 1);
         else silu_mul_row(gate_up, out, r, inter, 0);
     }
+}
+
+/* out[r, j] = round(gelu_tanh(gate[r, j])) * up[r, j] (GeGLU: Gemma's MLP), with torch's tanh
+   approximation written out in fp32 in its order: inner = sqrt(2/pi) * (g + 0.044715 * g^3),
+   gelu = 0.5 * g * (1 + tanh(inner)). */
+INLINE void gelu_tanh_mul_row(const void *gate_up, void *out, int64_t r, int64_t inter, int model_bf16) {
+    const int64_t in_base = r * 2 * inter, out_base = r * inter;
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+    for (int64_t j = 0; j < inter; j++) {
+        const float g = load_act(gate_up, in_base + j, model_bf16);
+        const float inner = beta * (g + kappa * (g * g * g));
+        const float act = round_act(0.5f * g * (1.0f + tanh_portable(inner)), model_bf16);
+        store_act(out, out_base + j, act * load_act(gate_up, in_base + inter + j, model_bf16), model_bf16);
+    }
+}
+
+void detinf_gelu_tanh_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int model_bf16) {
+#pragma omp parallel for schedule(static) if (rows >= 32)
+    for (int64_t r = 0; r < rows; r++) {
+        if (model_bf16) gelu_tanh_mul_row(gate_up, out, r, inter, 1);
+        else gelu_tanh_mul_row(gate_up, out, r, inter, 0);
+    }
+}
+
+/* tanh(x / cap) * cap elementwise over n fp32 values in place (Gemma 2's logit soft-capping). */
+void detinf_softcap(float *x, int64_t n, float cap) {
+#pragma omp parallel for schedule(static) if (n >= 65536)
+    for (int64_t i = 0; i < n; i++) x[i] = tanh_portable(x[i] / cap) * cap;
 }
 
 /* One head's rotation (rotate-half layout): out[d] = round(round(x[d] * c[d]) + round(rot[d] * s[d]))

@@ -154,7 +154,7 @@ void detinf_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed)
 void detinf_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                       const float *bias, void *out, int out_bf16) {
 #if defined(DETINF_GEMM_FMA)
-    if (gemm_bf16_fma(x, m, k, packed, n, bias, out, out_bf16) == 0) return;
+    if (m >= FMA_MIN_ROWS && gemm_bf16_fma(x, m, k, packed, n, bias, out, out_bf16) == 0) return;
 #endif
     const int64_t pairs = (k + 1) / 2, blocks = (n + LANES - 1) / LANES, block_stride = pairs * 32;
     const int64_t panels = (blocks + BLOCKS_PER_PANEL - 1) / BLOCKS_PER_PANEL;

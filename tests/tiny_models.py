@@ -263,8 +263,22 @@ def transformers_llama(loaded: Any) -> Any:
     numeric reference for tests and the HF baseline of the benchmarks. eos handling is off."""
     import transformers
 
-    spec = loaded.spec
-    config = transformers.LlamaConfig(
+    model = transformers.LlamaForCausalLM(transformers_llama_config(loaded.spec)).eval()
+    from deterministic_inference.ops.weights import dense
+
+    model.load_state_dict({name: dense(w, torch.float32) for name, w in loaded.weights.items()}, strict=False)
+    model.tie_weights()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def transformers_llama_config(spec: Any) -> Any:
+    """The transformers `LlamaConfig` of a Llama `ModelSpec` (used by `transformers_llama` and by the
+    benchmarks' bf16 HF copies of a model)."""
+    import transformers
+
+    return transformers.LlamaConfig(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -277,11 +291,3 @@ def transformers_llama(loaded: Any) -> Any:
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings,
     )
-    model = transformers.LlamaForCausalLM(config).eval()
-    from deterministic_inference.ops.weights import dense
-
-    model.load_state_dict({name: dense(w, torch.float32) for name, w in loaded.weights.items()}, strict=False)
-    model.tie_weights()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model

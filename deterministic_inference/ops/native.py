@@ -211,9 +211,10 @@ class NativeKernels:
             )  # fmt: skip
         return out
 
-    def gemm_uses_avx512_bf16(self) -> bool:
-        """True when this build's GEMM runs on VDPBF16PS (else the portable path, same bits)."""
-        return bool(self.library.detinf_gemm_uses_avx512_bf16())
+    def gemm_bf16_path(self) -> str:
+        """The path this build's bf16 GEMM runs: "fma" (fp32 FMAs, Intel AVX-512), "vdpbf16ps" (AMD) or
+        "portable" (the fmaf loop). The same bits on every path (ops/csrc/gemm.c)."""
+        return ("portable", "vdpbf16ps", "fma")[self.library.detinf_gemm_bf16_path()]
 
     def exp(self, x: float) -> float:
         """The kernel's exp for x in [-87, 0] (tests compare it with a float64 reference)."""
@@ -302,8 +303,8 @@ def load(path: Path) -> NativeKernels:
     library.detinf_pack_bf16.argtypes = [pointer, i64, i64, pointer]
     library.detinf_gemm_bf16.restype = None
     library.detinf_gemm_bf16.argtypes = [pointer, i64, i64, pointer, i64, pointer, pointer, ctypes.c_int]
-    library.detinf_gemm_uses_avx512_bf16.restype = ctypes.c_int
-    library.detinf_gemm_uses_avx512_bf16.argtypes = []
+    library.detinf_gemm_bf16_path.restype = ctypes.c_int
+    library.detinf_gemm_bf16_path.argtypes = []
     library.detinf_exp_nonpositive.restype = ctypes.c_float
     library.detinf_exp_nonpositive.argtypes = [ctypes.c_float]
     _declare_portable(library)

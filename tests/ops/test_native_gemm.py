@@ -97,10 +97,16 @@ def test_portable_build_gives_the_same_bits_at_model_shapes(
         assert torch.equal(bits(outs[0]), bits(outs[1])), (n, k)
 
 
-def test_default_build_uses_vdpbf16ps_where_the_cpu_has_it(kernels: NativeKernels) -> None:
+def test_default_build_picks_the_path_for_the_cpu(kernels: NativeKernels) -> None:
+    """VDPBF16PS where it is fast (AVX512-BF16 without AMX: AMD), fp32 FMAs on Intel's AVX-512 CPUs
+    (with AMX VDPBF16PS is slow; without AVX512-BF16 it is missing), else the portable loop."""
     cpuinfo = Path("/proc/cpuinfo")
-    has_bf16 = cpuinfo.exists() and "avx512_bf16" in cpuinfo.read_text()
-    assert kernels.gemm_uses_avx512_bf16() == has_bf16
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    if "avx512f" in flags and ("amx_bf16" in flags or "avx512_bf16" not in flags):
+        expected = "fma"
+    else:
+        expected = "vdpbf16ps" if "avx512_bf16" in flags else "portable"
+    assert kernels.gemm_bf16_path() == expected
 
 
 def test_accurate_against_float64_with_bias_and_bf16_rounding(kernels: NativeKernels) -> None:

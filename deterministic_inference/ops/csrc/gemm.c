@@ -6,8 +6,9 @@
    adds x[r, 2p+1] * w[c, 2p+1] and then x[r, 2p] * w[c, 2p], each add one IEEE fp32 rounding of the
    exact product plus the running sum (the product of two bf16 numbers is exact in fp32), with
    denormal inputs read as zero and denormal results flushed to zero. That is the definition of the
-   AVX512-BF16 instruction VDPBF16PS, which the fast path uses; the portable path performs the same
-   operations with fmaf (tests compare the two builds bit for bit). Nothing depends on m, on where the
+   AVX512-BF16 instruction VDPBF16PS, which the fast path uses on AMD; the portable path performs the same
+   operations with fmaf, and gemm_fma.h (Intel's AVX-512 CPUs) with two fp32 FMAs per pair under
+   flush-to-zero (tests compare the builds bit for bit). Nothing depends on m, on where the
    row sits, on the other rows or on the thread that computes it: columns are shared out in fixed
    panels of 64 and every panel is computed whole, row by row, by one thread.
 
@@ -127,6 +128,8 @@ static void store_tile(const float *tile, int R, int64_t r0, int64_t c0, int64_t
     }
 }
 
+#include "gemm_fma.h" /* the FMA path (after store_tile, which it calls) */
+
 /* w [n, k] bf16 -> packed [ceil(n/16)][ceil(k/2)][16][2], zero padded, denormals flushed to zero. */
 void detinf_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
     const int64_t pairs = (k + 1) / 2, blocks = (n + LANES - 1) / LANES;
@@ -150,6 +153,9 @@ void detinf_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed)
    rows go 4 at a time. Neither choice changes a bit (see the top of the file). */
 void detinf_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                       const float *bias, void *out, int out_bf16) {
+#if defined(DETINF_GEMM_FMA)
+    if (m >= FMA_MIN_ROWS && gemm_bf16_fma(x, m, k, packed, n, bias, out, out_bf16) == 0) return;
+#endif
     const int64_t pairs = (k + 1) / 2, blocks = (n + LANES - 1) / LANES, block_stride = pairs * 32;
     const int64_t panels = (blocks + BLOCKS_PER_PANEL - 1) / BLOCKS_PER_PANEL;
 #pragma omp parallel for schedule(static) if (m * n * k >= (int64_t)1 << 20)
@@ -167,9 +173,12 @@ void detinf_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *p
     }
 }
 
-/* 1 when this build uses VDPBF16PS, 0 for the portable path (tests build both and compare). */
-int detinf_gemm_uses_avx512_bf16(void) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* The path this build's GEMM runs: 2 fp32 FMAs (gemm_fma.h), 1 VDPBF16PS, 0 the portable fmaf loop.
+   Tests build the paths and compare them bit for bit. */
+int detinf_gemm_bf16_path(void) {
+#if defined(DETINF_GEMM_FMA)
+    return 2;
+#elif defined(__AVX512BF16__) && defined(__AVX512F__)
     return 1;
 #else
     return 0;

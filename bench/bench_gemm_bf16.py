@@ -1,0 +1,61 @@
+"""The bf16 GEMM's paths side by side at the 1B Llama shapes: fp32 FMAs (gemm_fma.h) vs VDPBF16PS (and the
+portable loop with --portable), each a build of the same kernels (bits equal: tests/ops/test_gemm_fma.py).
+
+Run by hand from the repository root (not a test):
+    .venv/bin/python -m bench.bench_gemm_bf16 [--rows 1 8 32 128 512] [--threads 1 2] [--rounds 7]
+Rounds are interleaved and the best round of each path is kept, so read the ratios: absolute times move
+with the machine's load. Weights are random, packed once as the engine packs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+
+from bench.bench_ops import best_times
+from deterministic_inference.ops.native import NativeKernels, load
+from deterministic_inference.ops.native_build import build
+
+SHAPES = {"qkv": (3072, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}  # (N, K) of Llama-3.2-1B
+BUILDS = {
+    "fma": ("-march=native", "-DDETINF_TEST_FORCE_FMA_GEMM"),
+    "vdpbf16ps": ("-march=native", "-DDETINF_TEST_NO_FMA_GEMM"),
+    "portable": ("-march=x86-64-v3",),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--portable", action="store_true", help="also the portable fmaf loop (slow)")
+    args = parser.parse_args()
+    names = [name for name in BUILDS if args.portable or name != "portable"]
+    libs: dict[str, NativeKernels] = {name: load(build(BUILDS[name])) for name in names}
+    paths = {name: lib.gemm_bf16_path() for name, lib in libs.items()}
+    print(f"paths: {paths}")
+    generator = torch.Generator().manual_seed(0)
+    print("| threads | weight | M | " + " | ".join(f"{n} ms" for n in names) + " | vdpbf16ps / fma |")
+    print("|---|---|---|" + "---|" * (len(names) + 1))
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for shape_name, (n, k) in SHAPES.items():
+            w = (torch.randn(n, k, generator=generator) / k**0.5).bfloat16()
+            packed = {name: lib.pack_bf16(w) for name, lib in libs.items()}
+            for m in args.rows:
+                x = torch.randn(m, k, generator=generator).bfloat16()
+                fns = {
+                    name: functools.partial(lib.gemm_bf16, x, packed[name], n, None, torch.bfloat16)
+                    for name, lib in libs.items()
+                }
+                times = best_times(fns, args.rounds)  # ms
+                cells = " | ".join(f"{times[name]:.2f}" for name in names)
+                ratio = times["vdpbf16ps"] / times["fma"]
+                print(f"| {threads} | {shape_name} {n}x{k} | {m} | {cells} | {ratio:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

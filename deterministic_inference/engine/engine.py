@@ -113,6 +113,7 @@ class Engine:
             config.max_num_batched_tokens,
             self.max_model_len,
             self.tokenizer.eos_token_ids,
+            config.speculative_config,
         )
         self.faults = faults or FaultInjection()
         self.runner = ModelRunner(self.model, num_blocks, config.kv_block_size, self.faults.sample_fn())
@@ -283,6 +284,7 @@ class Engine:
             "kv_blocks_total": self.runner.num_blocks,
             "kv_blocks_used": self.kv.num_used_blocks,
             "prefix_cache": vars(self.kv.stats).copy(),
+            "spec_decode": vars(self.scheduler.spec_stats).copy(),
             "batch_invariant": self.config.batch_invariant,
             "selfcheck": None if report is None else {"passed": report.ok, "probes": len(report.results),
                                                       "seconds": report.seconds},

@@ -230,7 +230,7 @@ class Scheduler:
         decoding its last known token, is constrained, or no n-gram matches)."""
         config = self.speculative
         start = request.num_computed_tokens
-        if config is None or count != 1 or request.num_tokens - start != 1 or request.grammar is not None:
+        if config is None or count != 1 or request.num_tokens - start != 1:
             return []
         if request.params.prompt_logprobs is not None and start < request.num_prompt_tokens:
             return []
@@ -245,9 +245,14 @@ class Scheduler:
         if room < 1:
             return []
         limit = min(length.next(), room)
-        return propose_ngram(
+        drafts = propose_ngram(
             request.all_token_ids, limit, config.prompt_lookup_min, config.prompt_lookup_max
         )
+        if request.grammar is not None:  # its matcher never consumes an ending token (spec_verify)
+            ending = set(request.params.stop_token_ids) | set(self.eos_token_ids)
+            cut = next((i for i, token in enumerate(drafts) if token in ending), len(drafts))
+            drafts = drafts[:cut]
+        return drafts
 
     def _after_draft(self, request: Request, output: ModelRunnerOutput, emitted: int) -> None:
         """Count a verified draft, adapt the sequence's draft length, and roll back its KV: the blocks

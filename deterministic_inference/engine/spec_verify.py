@@ -26,9 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
 from deterministic_inference.engine import sampler
-from deterministic_inference.engine.grammar_state import StepMasks
+from deterministic_inference.engine.grammar_state import StepMasks, bitmask_to_allowed
 from deterministic_inference.engine.model_runner import ModelRunnerOutput, SampledToken
 from deterministic_inference.engine.request import Request
 from deterministic_inference.engine.step_sampling import SampleFn, failure_message
@@ -71,6 +72,7 @@ def _verify(
     for chunk in chunks:
         sequence = chunk.sequence
         known, produced = sequence.all_token_ids, sequence.output_token_ids
+        hypothesis_masks = _hypothesis_masks(chunk, masks.allowed.get(sequence.request_id))
         for j in range(len(chunk.drafts) + 1):
             hypothesis = list(chunk.drafts[:j])
             rows.append(chunk.logits[j])  # [V]
@@ -79,7 +81,7 @@ def _verify(
             positions.append(len(produced) + j)
             past.append(known + hypothesis)
             outputs.append(produced + hypothesis)
-            row_masks.append(masks.allowed.get(sequence.request_id) if j == 0 else None)
+            row_masks.append(hypothesis_masks[j])
     result = sample_fn(torch.stack(rows), params, seeds, positions, past, outputs, row_masks)  # [R, V] in
     cursor = 0
     for chunk in chunks:
@@ -101,3 +103,35 @@ def _accepted_run(drafts: tuple[int, ...], result: sampler.SampleResult, first: 
         if j == len(drafts) or token.token_id != drafts[j]:
             break
     return run
+
+
+def _hypothesis_masks(chunk: DraftedChunk, first: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Grammar masks [V] bool of rows 0..K for a constrained sequence (all None otherwise): row 0's is
+    the step's own mask (`first`, filled from the matcher before the step); row j's is the mask after
+    its matcher consumed d_0..d_{j-1}, i.e. exactly the mask plain decoding computes there if those are
+    its tokens. The matcher consumes only drafts its current mask allows (a disallowed d_j cannot equal
+    t_j, so the run ends at j and later rows are never used: they get no mask) and is rolled back to
+    its state before the step (llguidance `rollback`). The scheduler never drafts an ending token for a
+    constrained sequence, so every consumed draft is a grammar token."""
+    count = len(chunk.drafts) + 1
+    grammar = chunk.sequence.grammar
+    if grammar is None or first is None:
+        return [None] * count
+    vocab = first.shape[0]
+    found: list[torch.Tensor | None] = [first]
+    consumed = 0
+    try:
+        for draft in chunk.drafts:
+            current = found[-1]
+            if current is None or not bool(current[draft]) or not grammar.matcher.consume_token(draft):
+                break
+            consumed += 1
+            bitmask = allocate_token_bitmask(1, vocab)  # [1, W] int32
+            fill_next_token_bitmask(grammar.matcher, bitmask, 0)
+            allowed = bitmask_to_allowed(bitmask, vocab)[0].clone()  # [V]
+            grammar.widen(allowed)
+            found.append(allowed if bool(allowed.any()) and grammar.error is None else None)
+    finally:
+        if consumed:
+            grammar.matcher.rollback(consumed)
+    return found + [None] * (count - len(found))

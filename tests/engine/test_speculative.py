@@ -83,7 +83,7 @@ def engine_for(loaded: LoadedModel, speculative: SpeculativeConfig | None, **ove
 
 def run(
     loaded: LoadedModel,
-    prompts: list[list[int]],
+    prompts: list[list[int]] | list[str],
     params: SamplingParams | list[SamplingParams],
     speculative: SpeculativeConfig | None,
     **overrides: Any,

@@ -284,7 +284,7 @@ class Engine:
             "kv_blocks_total": self.runner.num_blocks,
             "kv_blocks_used": self.kv.num_used_blocks,
             "prefix_cache": vars(self.kv.stats).copy(),
-            "spec_decode": vars(self.scheduler.spec_stats).copy(),
+            "spec_decode": self.scheduler.spec_stats.snapshot(),
             "batch_invariant": self.config.batch_invariant,
             "selfcheck": None if report is None else {"passed": report.ok, "probes": len(report.results),
                                                       "seconds": report.seconds},

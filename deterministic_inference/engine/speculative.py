@@ -135,6 +135,17 @@ class SpecDecodeStats:
     acceptance_lengths: list[int] | None = None
     accepted_per_position: list[int] | None = None  # [j] = drafted steps that accepted draft j
 
+    def snapshot(self) -> dict[str, Any]:
+        """The counters as a fresh dict (lists copied: the engine thread keeps counting)."""
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_emitted_tokens": self.num_emitted_tokens,
+            "acceptance_lengths": list(self.acceptance_lengths or []),
+            "accepted_per_position": list(self.accepted_per_position or []),
+        }
+
     def record(self, drafted: int, accepted: int, emitted: int, max_tokens: int) -> None:
         """Count one verified drafted step."""
         if self.acceptance_lengths is None or self.accepted_per_position is None:

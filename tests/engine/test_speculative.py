@@ -21,7 +21,7 @@ from deterministic_inference.engine import spec_verify
 from deterministic_inference.engine.engine import Engine
 from deterministic_inference.engine.model_runner import ModelRunnerOutput, SampledToken
 from deterministic_inference.engine.sampling_params import SamplingParams
-from deterministic_inference.engine.speculative import SpeculativeConfig, propose_ngram
+from deterministic_inference.engine.speculative import DraftLength, SpeculativeConfig, propose_ngram
 from deterministic_inference.errors import ConfigError
 from deterministic_inference.model.loader import LoadedModel, load_model
 from deterministic_inference.ops.logprobs import log_softmax_rows
@@ -262,3 +262,32 @@ def test_negative_control_rejection_sampler_differs(
     rejected = [run(tiny_loaded, [p], params, NGRAM)[0][0] for p in prompts]
     differing = [i for i, (a, b) in enumerate(zip(rejected, reference, strict=True)) if a != b]
     assert differing, "the rejection sampler gave plain decoding's tokens: the tests cannot fail"
+
+
+def test_draft_length_adapts_down_to_zero_and_back() -> None:
+    length = DraftLength(limit=4)
+    assert length.next() == 4
+    length.update(4, 4)
+    assert length.next() == 4  # stays at K after a full acceptance
+    length.update(4, 1)
+    assert length.next() == 2  # accepted + 1
+    length.update(2, 0)
+    assert length.next() == 1
+    length.update(1, 0)  # a second draft in a row with nothing accepted: pause
+    assert [length.next() for _ in range(DraftLength.PAUSE)] == [0] * DraftLength.PAUSE
+    assert length.next() == 1  # then try one token again
+    length.update(1, 1)
+    assert length.next() == 2
+
+
+def test_free_text_drafts_little(tiny_loaded: LoadedModel) -> None:
+    """On text that does not repeat (T=1), rejected drafts shrink the draft length: most decode steps
+    draft nothing, and the output is still plain decoding's."""
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, tiny_loaded.spec.vocab_size) for _ in range(40)] for _ in range(3)]
+    params = SamplingParams(max_tokens=48, temperature=1.0, seed=2, ignore_eos=True)
+    reference = [run(tiny_loaded, [p], params, None)[0][0] for p in prompts]
+    got, engine = run(tiny_loaded, prompts, params, NGRAM)
+    assert got == reference
+    stats = engine.stats()["spec_decode"]
+    assert stats["num_draft_tokens"] < 0.5 * 3 * 48 * NGRAM.num_speculative_tokens

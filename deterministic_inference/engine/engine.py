@@ -23,6 +23,7 @@ import torch
 from deterministic_inference import fingerprint
 from deterministic_inference.config import EngineConfig
 from deterministic_inference.engine.admission import AdmissionLimits
+from deterministic_inference.engine.draft_model import DraftModelProposer
 from deterministic_inference.engine.faults import FaultInjection
 from deterministic_inference.engine.grammar import GrammarCompiler
 from deterministic_inference.engine.grammar_state import SequenceGrammar
@@ -115,6 +116,11 @@ class Engine:
             self.tokenizer.eos_token_ids,
             config.speculative_config,
         )
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model" and spec.model is not None:
+            self.scheduler.draft_model = DraftModelProposer(
+                spec.model, config, self.dtype_name, self.spec.vocab_size, self.max_model_len
+            )
         self.faults = faults or FaultInjection()
         self.runner = ModelRunner(self.model, num_blocks, config.kv_block_size, self.faults.sample_fn())
         self.limits = AdmissionLimits(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from deterministic_inference.engine.admission import check_fits
 from deterministic_inference.engine.kv_cache import KVCacheManager
@@ -46,6 +47,9 @@ from deterministic_inference.engine.speculative import (
 )
 from deterministic_inference.engine.update import StepUpdate
 from deterministic_inference.errors import ConfigError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from deterministic_inference.engine.draft_model import DraftModelProposer
 
 
 class Scheduler:
@@ -81,6 +85,7 @@ class Scheduler:
         self.speculative = speculative  # None = no drafting
         self.spec_stats = SpecDecodeStats()
         self._draft_lengths: dict[str, DraftLength] = {}  # sequence id -> adaptive draft length
+        self.draft_model: DraftModelProposer | None = None  # method draft_model (set by the engine)
 
     @property
     def has_unfinished(self) -> bool:
@@ -138,6 +143,8 @@ class Scheduler:
         queue.remove(request)
         self.kv.free(request)
         self._draft_lengths.pop(request_id, None)
+        if self.draft_model is not None:
+            self.draft_model.forget(request_id)
         request.status = status
 
     def schedule(self) -> StepPlan:
@@ -245,9 +252,12 @@ class Scheduler:
         if room < 1:
             return []
         limit = min(length.next(), room)
-        drafts = propose_ngram(
-            request.all_token_ids, limit, config.prompt_lookup_min, config.prompt_lookup_max
-        )
+        if self.draft_model is not None:
+            drafts = self.draft_model.propose(request, limit)
+        else:
+            drafts = propose_ngram(
+                request.all_token_ids, limit, config.prompt_lookup_min, config.prompt_lookup_max
+            )
         if request.grammar is not None:  # its matcher never consumes an ending token (spec_verify)
             ending = set(request.params.stop_token_ids) | set(self.eos_token_ids)
             cut = next((i for i, token in enumerate(drafts) if token in ending), len(drafts))

@@ -56,10 +56,10 @@ class SpeculativeConfig:
                 f"{field}.prompt_lookup_min: {self.prompt_lookup_min} is above prompt_lookup_max "
                 f"{self.prompt_lookup_max}; lower it"
             )
-        if self.method == "draft_model":
-            raise ConfigError(
-                f"{field}.method: 'draft_model' is not implemented in this build; use 'ngram'"
-            )
+        if self.method == "draft_model" and not self.model:
+            raise ConfigError(f"{field}.model: missing; give the draft model's GGUF file or HF directory")
+        if self.method == "ngram" and self.model is not None:
+            raise ConfigError(f"{field}.model: only method 'draft_model' takes a model; remove it")
 
     @classmethod
     def from_json(cls, text: str | dict[str, Any]) -> SpeculativeConfig:

@@ -285,7 +285,7 @@ def _check_cross_fields(data: dict[str, Any], where: str) -> None:
             f"{where}: $.engine.kv_cache_memory: num_kv_blocks also sizes the KV pool; "
             "fix: set only one of them (the other null)"
         )
-    _check_speculative(where, engine.get("speculative_config"))
+    _check_speculative(where, engine.get("speculative_config"), data["capture"]["activations"]["enabled"])
     source_type = data["model"]["source"]["type"]
     backend = data["runtime"]["execution"]["backend"]
     if source_type == "remote" and backend != "openai_compatible":
@@ -331,10 +331,16 @@ def _plain_json(value: Any, where: str, path: str) -> Any:
     raise WorkflowError(f"{where}: {path}: a {type(value).__name__} has no JSON form; write a string instead")
 
 
-def _check_speculative(where: str, value: Any) -> None:
-    """$.engine.speculative_config (optional, vLLM's field names): WorkflowError naming the field."""
+def _check_speculative(where: str, value: Any, activations: bool) -> None:
+    """$.engine.speculative_config (optional, vLLM's field names): WorkflowError naming the field. Not
+    with activation capture: that records every computed row, rejected drafts' rows included."""
     if value is None:
         return
+    if activations:
+        raise WorkflowError(
+            f"{where}: $.engine.speculative_config: activation capture records every computed row, "
+            "rejected drafts included; fix: set capture.activations.enabled to false or remove it"
+        )
     from deterministic_inference.engine.speculative import SpeculativeConfig
 
     try:

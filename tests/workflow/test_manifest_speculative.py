@@ -40,3 +40,12 @@ def test_speculative_config_reaches_the_engine_config(tmp_path: Path) -> None:
     manifest = load_manifest(path)
     config = engine_config_for(manifest.data, ModelLocation(engine_path=None, root=None))
     assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2)
+
+
+def test_speculation_with_activation_capture_is_refused(tmp_path: Path) -> None:
+    document = minimal(
+        engine={"speculative_config": {"method": "ngram"}}, capture={"activations": {"enabled": True}}
+    )
+    result = detinf("lock", "--config", write_json(tmp_path / "bad.json", document))
+    assert result.code == 2
+    assert "$.engine.speculative_config: activation capture" in result.err and "fix:" in result.err

@@ -67,6 +67,11 @@ class EngineConfig:
             )
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed: {self.seed} must be in [0, 2**63)")
+        speculative = self.speculative_config
+        if isinstance(speculative, (dict, str)):  # JSON text or its dict (Ray Serve args)
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_json(speculative))
+        elif speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise ConfigError("speculative_config: must be a JSON object such as {\"method\": \"ngram\"}")
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with some fields changed (validated again)."""

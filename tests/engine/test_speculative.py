@@ -291,3 +291,14 @@ def test_free_text_drafts_little(tiny_loaded: LoadedModel) -> None:
     assert got == reference
     stats = engine.stats()["spec_decode"]
     assert stats["num_draft_tokens"] < 0.5 * 3 * 48 * NGRAM.num_speculative_tokens
+
+
+def test_engine_config_takes_the_json_or_its_dict() -> None:
+    """Ray Serve's app builder passes EngineConfig fields as plain JSON values."""
+    expected = SpeculativeConfig(num_speculative_tokens=3)
+    text = '{"method": "ngram", "num_speculative_tokens": 3}'
+    assert EngineConfig(speculative_config=text).speculative_config == expected  # type: ignore[arg-type]
+    as_dict = {"method": "ngram", "num_speculative_tokens": 3}
+    assert EngineConfig(speculative_config=as_dict).speculative_config == expected  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="speculative_config"):
+        EngineConfig(speculative_config=3)  # type: ignore[arg-type]

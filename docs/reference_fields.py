@@ -41,14 +41,32 @@ FIELD_DOCS: dict[str, str] = {
     "max_completion_tokens": "most tokens to generate (wins over `max_tokens`); default: the rest of the "
     "context",
     "top_logprobs": "alternatives per token (0-20) with `logprobs: true`",
-    "response_format": 'only `{"type": "text"}`; other types are a 400',
-    "tool_choice": "only `none`; tools are not supported",
+    "response_format": "`text` (default), `json_object`, or `json_schema` with `json_schema.schema`: the "
+    "answer follows it (see Structured outputs); on completions also vLLM's `structural_tag`",
+    "tools": "functions the model may call: `{\"type\": \"function\", \"function\": {name, description, "
+    "parameters}}`",
+    "tool_choice": "`none`, `auto` (default with tools), `required`, or `{\"type\": \"function\", "
+    "\"function\": {\"name\": ...}}`; the grammar makes every call valid",
+    "parallel_tool_calls": "false: at most one call per answer (default true)",
+    "structured_outputs": "vLLM: one of `json` (a schema), `regex`, `choice` (strings), `grammar` (GBNF), "
+    "`json_object`, `structural_tag`; the output follows it",
+    "guided_json": "vLLM's older name of `structured_outputs.json`",
+    "guided_regex": "vLLM's older name of `structured_outputs.regex`",
+    "guided_choice": "vLLM's older name of `structured_outputs.choice`",
+    "guided_grammar": "vLLM's older name of `structured_outputs.grammar` (GBNF, root rule `root`)",
+    "json_schema": "SGLang: the output follows this JSON schema (JSON text)",
+    "regex": "SGLang: the output matches this regular expression",
+    "ebnf": "SGLang: the output follows this GBNF grammar (root rule `root`)",
+    "structural_tag": "SGLang: JSON text of a structural tag (`structures` with begin / schema / end, "
+    "`triggers`)",
+    "tool_call_id": "tool messages: the id of the call this message answers",
+    "arguments": "the arguments as JSON text, as the model wrote them (streamed: a fragment)",
     "function_call": "only `none`; functions are not supported",
     "modalities": 'only `["text"]`',
-    "role": "system, developer (treated as system), user or assistant",
+    "role": "system, developer (treated as system), user, assistant or tool",
     "content": 'text, or a list of `{"type": "text", "text": ...}` parts',
     "name": "accepted and ignored",
-    "tool_calls": "not supported in requests",
+    "tool_calls": "assistant: the calls it made (`id`, `type`, `function` with `name` and `arguments`)",
     # /generate
     "text": "the generated text",
     "input_ids": "prompt token ids, or a list of them (give `text` or `input_ids`)",
@@ -118,6 +136,8 @@ FIELD_DOCS: dict[str, str] = {
 SCHEMA_FIELD_DOCS: dict[tuple[str, str], str] = {
     ("CompletionRequest", "max_tokens"): "most tokens to generate per choice (default 16, as OpenAI)",
     ("ChatCompletionRequest", "max_tokens"): "most tokens to generate (default: the rest of the context)",
+    ("CompletionRequest", "response_format"): "vLLM: `json_object`, `json_schema` or `structural_tag`; the "
+    "output follows it",
     ("CompletionRequest", "logprobs"): "return the logprobs of the generated tokens with this many "
     "alternatives each (0-20)",
     ("ChatCompletionRequest", "logprobs"): "return the logprobs of the generated tokens",
@@ -136,6 +156,13 @@ SCHEMA_FIELD_DOCS: dict[tuple[str, str], str] = {
     ("GenerateFinishReason", "type"): "`length` or `stop`",
     ("Health", "error"): "why the engine is not serving (when it failed)",
     ("GenerateMeta", "id"): "request id and choice index",
+    ("ToolCall", "type"): "`function`",
+    ("ToolCallDelta", "type"): "`function`, in a call's first delta",
+    ("ToolCall", "function"): "the function's `name` and its `arguments`",
+    ("ToolCallDelta", "function"): "`name` and empty `arguments` in a call's first delta, then `arguments` "
+    "fragments",
+    ("ChatMessageOut", "tool_calls"): "the answer's tool calls (absent when there are none)",
+    ("ChatDelta", "tool_calls"): "tool-call pieces (see ToolCallDelta)",
     ("GenerateMeta", "finish_reason"): '`{"type": "length", "length": N}` or `{"type": "stop", '
     '"matched": ...}`',
 }

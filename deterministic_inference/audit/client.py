@@ -116,14 +116,30 @@ class AuditClient:
         max_len = card.get("max_model_len")
         self.max_model_len = int(max_len) if isinstance(max_len, int) else None
 
-    async def generate(self, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int = 0) -> Sample:
-        """One completion (or chat turn with `prompt` as the user message)."""
+    async def generate(
+        self,
+        prompt: str,
+        max_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        json_schema: dict[str, Any] | None = None,
+    ) -> Sample:
+        """One completion (or chat turn with `prompt` as the user message); with `json_schema`, the
+        output is constrained to it (chat: OpenAI `response_format`; completions: vLLM's
+        `structured_outputs`, which detinf serves too)."""
         body: dict[str, Any] = {
             "model": self.model,
             "max_tokens": max_tokens,
             "temperature": temperature,
             "seed": seed,
         }
+        if json_schema is not None and self.endpoint.chat:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "audit", "schema": json_schema},
+            }
+        elif json_schema is not None:
+            body["structured_outputs"] = {"json": json_schema}
         if self.endpoint.chat:
             body["messages"] = [{"role": "user", "content": prompt}]
             if self.endpoint.logprobs:

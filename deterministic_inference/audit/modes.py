@@ -11,6 +11,8 @@ sampling     temperature > 0 with fixed seeds: each seed stable; different seeds
 p_vs_d       each target's greedy output: the logprob of every decoded token equals the logprob of the
              same token when prompt + output is scored as one prompt (SGLang's p_vs_d; needs the
              server to return token ids: vLLM's and detinf's `return_token_ids`)
+structured   JSON-schema constrained targets (greedy and seeded) alone, then among unconstrained and
+             other constrained requests at concurrency: the constrained outputs must not change
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ async def run_mode(mode: str, client: AuditClient, settings: AuditSettings) -> l
         "concurrency": _concurrency,
         "sampling": _sampling,
         "p_vs_d": _p_vs_d,
+        "structured": _structured,
     }
     return await runners[mode](client, settings)
 
@@ -231,6 +234,47 @@ async def _p_vs_d(client: AuditClient, s: AuditSettings) -> list[Case]:
         scored = (await client.score_ids(prompt_ids + output_ids))[len(prompt_ids):]
         case.samples.append(Sample("", None, [list(pair) for pair in zip(output_ids, values, strict=False)]))
         case.samples.append(Sample("", None, [list(pair) for pair in zip(output_ids, scored, strict=False)]))
+    return cases
+
+
+AUDIT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "topic": {"type": "string", "maxLength": 24},
+        "score": {"type": "integer", "minimum": 0, "maximum": 10},
+    },
+    "required": ["topic", "score"],
+    "additionalProperties": False,
+}
+
+
+async def _structured(client: AuditClient, s: AuditSettings) -> list[Case]:
+    rng = random.Random(s.seed)
+    targets = [(TARGET_PROMPTS[0], 0.0, 0), (TARGET_PROMPTS[1], s.temperature, 1234)]
+    cases = [Case(f"structured: JSON-schema target {i} (T={t}) alone and in mixed company", "structured")
+             for i, (_, t, _) in enumerate(targets)]  # fmt: skip
+
+    def target_call(index: int) -> Callable[[], Awaitable[Sample]]:
+        prompt, temperature, seed = targets[index]
+        return partial(client.generate, prompt, s.max_tokens, temperature, seed, AUDIT_SCHEMA)
+
+    for index, case in enumerate(cases):  # baseline: each target alone
+        case.samples.append(await target_call(index)())
+    for _ in range(s.n_trials):
+        calls: list[tuple[int | None, Callable[[], Awaitable[Sample]]]] = [
+            (index, target_call(index)) for index in range(len(cases))
+        ]
+        for k in range(rng.randint(2, max(s.concurrency - len(cases), 2))):
+            other = random_prompt(rng, rng.randint(2, 60))
+            schema = AUDIT_SCHEMA if k % 2 else None  # constrained and unconstrained neighbours
+            calls.append(
+                (None, partial(client.generate, other, rng.randint(1, 2 * s.max_tokens), 0.7, k, schema))
+            )
+        rng.shuffle(calls)
+        results = await gather_limited([call for _, call in calls], s.concurrency)
+        for (target, _), sample in zip(calls, results, strict=True):
+            if target is not None:
+                cases[target].samples.append(sample)
     return cases
 
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from deterministic_inference.cli.options import add_engine_options, engine_config_from_args
 from deterministic_inference.engine.outputs import RequestOutput
 from deterministic_inference.engine.sampling_params import SamplingParams
+from deterministic_inference.engine.structured_spec import StructuredOutput
+from deterministic_inference.errors import InvalidRequestError
+from deterministic_inference.workflow.canonical import canonical_json
 
 
 def register(subparsers: Any) -> None:
@@ -36,6 +40,15 @@ def register(subparsers: Any) -> None:
         "--logprobs", type=int, default=None,
         help="also return this many top alternatives (with logprobs) per generated token",
     )
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema", metavar="FILE", default=None,
+        help="constrain every output to JSON valid under the JSON schema in FILE (structured output)",
+    )
+    constraint.add_argument(
+        "--regex", metavar="PATTERN", default=None,
+        help="constrain every output to match the regular expression PATTERN as a whole",
+    )
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     add_engine_options(parser)
@@ -46,6 +59,7 @@ def run_generate(args: argparse.Namespace) -> int:
     """Builds the engine, generates, prints text or JSON (prompt order)."""
     from deterministic_inference.engine.engine import Engine
 
+    constraint = structured_output_from_args(args)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -53,8 +67,15 @@ def run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
         logprobs=args.logprobs,
+        structured_output=constraint,
     )
     engine = Engine(engine_config_from_args(args))
+    if constraint is not None:
+        flag = "--json-schema" if constraint.kind == "json_schema" else "--regex"
+        try:
+            engine.grammars.compile(constraint)
+        except InvalidRequestError as error:
+            raise InvalidRequestError(f"{flag}: {error}", param=flag) from None
     prompts = args.prompt
     if args.chat:
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -65,6 +86,29 @@ def run_generate(args: argparse.Namespace) -> int:
         for output in outputs:
             print(output.outputs[0].text)
     return 0
+
+
+def structured_output_from_args(args: argparse.Namespace) -> StructuredOutput | None:
+    """The `--json-schema FILE` / `--regex PATTERN` constraint, or None. A file that cannot be read or is
+    not a JSON schema object raises InvalidRequestError naming the flag and the file."""
+    if args.regex is not None:
+        if not args.regex:
+            raise InvalidRequestError("--regex: the pattern is empty; give a regular expression", "--regex")
+        return StructuredOutput("regex", args.regex)
+    if args.json_schema is None:
+        return None
+    path, flag = Path(args.json_schema), "--json-schema"
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise InvalidRequestError(f"{flag}: cannot read {path}: {error.strerror}", flag) from None
+    except (UnicodeDecodeError, ValueError) as error:
+        raise InvalidRequestError(
+            f"{flag}: {path} is not valid JSON ({error}); give a JSON schema file", flag
+        ) from None
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(f"{flag}: {path} must hold a JSON object (a schema)", flag)
+    return StructuredOutput("json_schema", canonical_json(schema))
 
 
 def generate_json(system_fingerprint: str, outputs: list[RequestOutput]) -> dict[str, Any]:

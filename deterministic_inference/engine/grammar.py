@@ -45,9 +45,9 @@ MAX_COMPILE_SECONDS = 2.0  # a grammar whose build + first mask takes longer is 
 MAX_CACHED = 512  # compiled grammars kept per engine (least recently used dropped first)
 _MAX_MESSAGE = 400  # characters of llguidance's error text quoted back to the client
 _SPECIAL_MARK = b"\xff"  # llguidance: a token whose bytes start with 0xFF is a special token
-# JSON (documented choice): compact, no free whitespace between tokens (separators "," and ":"), so a
-# model cannot loop on blank lines; a schema's own "x-guidance" options may override it.
-_JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False}
+# JSON (documented choice): no free whitespace, Python's json.dumps separators (", " and ": "), so a model
+# cannot loop on blank lines and answers read like ordinary JSON; a schema's "x-guidance" key overrides it.
+_JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _DIGEST_DOMAIN = b"detinf-grammar-vocabulary-v1\x00"
 
 

@@ -45,8 +45,14 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             self._error = f"the model's chat template does not compile: {exc}"
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`; InvalidRequestError if the template rejects them."""
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for `messages` (and `tools`, None = no tools); InvalidRequestError if the
+        template rejects them."""
         if self._template is None:
             raise InvalidRequestError(f"messages: {self._error}", param="messages")
         _check_messages(messages)
@@ -56,6 +62,7 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos_token,
                 eos_token=self._eos_token,
+                tools=tools,
             )
         except InvalidRequestError:
             raise

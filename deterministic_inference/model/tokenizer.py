@@ -136,15 +136,21 @@ class Tokenizer:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation. Encode it with add_special_tokens=False or True: BOS is
-        never doubled. InvalidRequestError when the model has no template or the template rejects it."""
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text of a conversation (`tools`: OpenAI tool definitions, for templates that render
+        them). Encode it with add_special_tokens=False or True: BOS is never doubled.
+        InvalidRequestError when the model has no template or the template rejects it."""
         if self._template is None:
             raise InvalidRequestError(
                 "messages: this model has no chat template; use the completions endpoint with a prompt",
                 param="messages",
             )
-        return self._template.render(messages, add_generation_prompt)
+        return self._template.render(messages, add_generation_prompt, tools)
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         """A fresh streaming decoder over this tokenizer."""

@@ -2,8 +2,9 @@
 `protocol_generate`.
 
 Types are strict (a string where a number is expected is a 400, never coerced); unknown fields are
-ignored like the OpenAI API does, except the features this server does not implement (tools,
-structured output, images, audio, logit_bias...), which are a 400 naming the field. Value ranges are
+ignored like the OpenAI API does, except the features this server does not implement (images, audio,
+logit_bias...), which are a 400 naming the field. Output constraints (`response_format`, `tools`, vLLM's
+`structured_outputs` and `guided_*`) are mapped by `server.structured` and `server.tools`. Value ranges are
 checked by `SamplingParams`, which names the offending parameter too. These models are the endpoints'
 FastAPI body parameters, so `/openapi.json` documents them.
 """
@@ -16,7 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deterministic_inference.engine.admission import MIN_TEMPERATURE, REPETITION_PENALTY_RANGE
 from deterministic_inference.engine.sampling_params import MAX_LOGPROBS, SEED_LIMIT, SamplingParams
+from deterministic_inference.engine.structured_spec import StructuredOutput
+from deterministic_inference.server import structured
 from deterministic_inference.server.errors import APIError
+from deterministic_inference.server.structured import Constraint
+from deterministic_inference.server.tools import ToolPlan, parse_tools
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
 MAX_STOP_STRINGS = 16  # each stop string is searched after every token
@@ -71,17 +76,33 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM: json / regex / choice / grammar / ...
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names of the same constraints
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def reject_unsupported(self) -> None:
         """400 for fields whose feature is not implemented (when they ask for something)."""
         if self.logit_bias:
             raise unsupported("logit_bias")
 
+    def vllm_constraints(self) -> list[Constraint | None]:
+        """The vLLM-named constraints this request sets (`structured_outputs`, `guided_*`)."""
+        guided = {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice",
+                                                         "guided_grammar")}
+        return [structured.vllm_structured(self.structured_outputs), *structured.vllm_guided(guided)]
+
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        structured_output: StructuredOutput | None = None,
     ) -> SamplingParams:
         """Validated SamplingParams (InvalidRequestError names the field); OpenAI defaults for the rest."""
         return SamplingParams(
+            structured_output=structured_output,
             n=_default(self.n, 1),
             max_tokens=max_tokens,
             temperature=_default(self.temperature, 1.0),
@@ -118,6 +139,7 @@ class CompletionRequest(_SamplingFields):
     return_token_ids: bool | None = None  # vLLM: choices carry prompt_token_ids and token_ids
     suffix: str | None = None
     best_of: int | None = _ranged(**_COUNT)
+    response_format: dict[str, Any] | None = None  # vLLM: json_object / json_schema / structural_tag
 
     def reject_unsupported(self) -> None:
         super().reject_unsupported()
@@ -125,6 +147,11 @@ class CompletionRequest(_SamplingFields):
             raise unsupported("suffix")
         if self.best_of is not None and self.best_of != _default(self.n, 1):
             raise unsupported("best_of", "best_of must equal n (or be omitted)")
+
+    def constraint(self) -> Constraint | None:
+        """The request's one output constraint (400 when it sets several)."""
+        own = structured.response_format(self.response_format)
+        return structured.only_one([own, *self.vllm_constraints()])
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: one string, several strings, one token list or several."""
@@ -141,14 +168,14 @@ class CompletionRequest(_SamplingFields):
 class ChatMessage(_Body):
     """One chat message; content is text or a list of text parts."""
 
-    role: str = Field(json_schema_extra={"enum": ["system", "developer", "user", "assistant"]})
+    role: str = Field(json_schema_extra={"enum": ["system", "developer", "user", "assistant", "tool"]})
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[Any] | None = None  # assistant: the calls it made (id, type, function name/arguments)
+    tool_call_id: str | None = None  # tool: the id of the call this message answers
 
 
-_CHAT_UNSUPPORTED = ("tools", "functions", "audio", "prediction", "web_search_options")
-_CHAT_ROLES = ("system", "developer", "user", "assistant")
+_CHAT_UNSUPPORTED = ("functions", "audio", "prediction", "web_search_options")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -159,7 +186,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = _ranged(**_TOP)
     response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
 
@@ -169,28 +198,34 @@ class ChatCompletionRequest(_SamplingFields):
         for name in _CHAT_UNSUPPORTED:
             if extra.get(name):
                 raise unsupported(name)
-        if self.tool_choice not in (None, "none"):
-            raise unsupported("tool_choice")
         if self.function_call not in (None, "none"):
-            raise unsupported("function_call")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise unsupported("response_format", "only response_format type 'text' is supported")
+            raise unsupported("function_call", "function_call is not supported; use tools and tool_choice")
         if self.modalities and any(m != "text" for m in self.modalities):
             raise unsupported("modalities", "only the 'text' modality is supported")
         if not self.messages:
             raise APIError(400, "messages: must not be empty", param="messages", code="invalid_value")
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as dicts for the chat template (text parts joined)."""
-        messages = []
-        for index, message in enumerate(self.messages):
-            if message.role not in _CHAT_ROLES:
-                raise unsupported(f"messages[{index}].role", f"role {message.role!r} is not supported")
-            if message.tool_calls:
-                raise unsupported(f"messages[{index}].tool_calls")
-            role = "system" if message.role == "developer" else message.role
-            messages.append({"role": role, "content": _message_text(index, message.content)})
-        return messages
+        """Messages as dicts (text parts joined; tool calls and call ids as sent), for `chat_history`."""
+        return [
+            {"role": m.role, "content": _message_text(index, m.content), "tool_calls": m.tool_calls,
+             "tool_call_id": m.tool_call_id}
+            for index, m in enumerate(self.messages)
+        ]
+
+    def tool_plan(self) -> ToolPlan:
+        """The request's tools and tool choice, validated (400 naming the field)."""
+        return parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def constraint(self, plan: ToolPlan) -> Constraint | None:
+        """The request's one output constraint: response_format, vLLM's fields or the tool-call grammar
+        (400 when it sets several)."""
+        grammar = plan.grammar()
+        tool_param = "tool_choice" if self.tool_choice is not None else "tools"
+        tools = None if grammar is None else (tool_param, grammar)
+        return structured.only_one(
+            [structured.response_format(self.response_format), *self.vllm_constraints(), tools]
+        )
 
     def max_new_tokens(self) -> int | None:
         """max_completion_tokens, else max_tokens (None = the rest of the context)."""

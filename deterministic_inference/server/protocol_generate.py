@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 from pydantic import ConfigDict
 
 from deterministic_inference.engine.sampling_params import SamplingParams
+from deterministic_inference.engine.structured_spec import StructuredOutput
+from deterministic_inference.server import structured
 from deterministic_inference.server.errors import APIError
 from deterministic_inference.server.protocol import (
     _COUNT,
@@ -32,6 +34,7 @@ from deterministic_inference.server.protocol import (
     stop_token_ids,
     unsupported,
 )
+from deterministic_inference.server.structured import Constraint
 
 DEFAULT_GENERATE_MAX_TOKENS = 128  # SGLang's default max_new_tokens
 T = TypeVar("T")
@@ -53,6 +56,28 @@ class GenerateSamplingParams(_Body):
     frequency_penalty: float | None = _ranged(**_PENALTY)
     repetition_penalty: float | None = _ranged(**_REPETITION)
     ignore_eos: bool | None = None
+    json_schema: str | None = None  # a JSON schema as JSON text (SGLang's form)
+    regex: str | None = None
+    ebnf: str | None = None  # GBNF, root rule `root`
+    structural_tag: str | None = None  # JSON text of a structural-tag spec
+
+    def constraint(self) -> Constraint | None:
+        """This prompt's output constraint (at most one of json_schema, regex, ebnf, structural_tag)."""
+        found: list[Constraint | None] = []
+        for name, build in _CONSTRAINTS.items():
+            value = getattr(self, name)
+            if value is not None:
+                param = f"sampling_params.{name}"
+                found.append((param, build(value, param)))
+        return structured.only_one(found)
+
+
+_CONSTRAINTS = {
+    "json_schema": structured.json_schema,
+    "regex": structured.regex,
+    "ebnf": structured.ebnf,
+    "structural_tag": structured.structural_tag,
+}
 
 
 @dataclass(frozen=True)
@@ -69,7 +94,9 @@ class PromptOptions:
         """First prompt position whose token appears in `input_token_logprobs` (prompt_len: none)."""
         return prompt_len if self.logprob_start_len < 0 else self.logprob_start_len
 
-    def params(self, prompt_len: int, param: str) -> SamplingParams:
+    def params(
+        self, prompt_len: int, param: str, structured_output: StructuredOutput | None = None
+    ) -> SamplingParams:
         """Validated SamplingParams with SGLang's defaults (temperature 1, 128 new tokens). Prompt logprobs
         are computed only when `input_token_logprobs` will hold a value (start < prompt_len - 1)."""
         if self.return_logprob and self.logprob_start_len > prompt_len:
@@ -81,6 +108,7 @@ class PromptOptions:
         wants_prompt = self.return_logprob and self.input_start(prompt_len) < prompt_len - 1
         top = self.top_logprobs_num if self.return_logprob else None
         return SamplingParams(
+            structured_output=structured_output,
             n=_default(sp.n, 1),
             max_tokens=_default(sp.max_new_tokens, DEFAULT_GENERATE_MAX_TOKENS),
             temperature=_default(sp.temperature, 1.0),

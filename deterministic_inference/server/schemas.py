@@ -10,6 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from deterministic_inference.server.schemas_tools import ToolCall, ToolCallDelta
+
 LogprobPair = list[float | int | str | None]  # SGLang's [logprob or null, token id, token text or null]
 
 
@@ -85,6 +87,7 @@ class ChatMessageOut(BaseModel):
     role: str
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None  # present when the answer holds tool calls
 
 
 class ChatChoice(BaseModel):
@@ -110,6 +113,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None  # streamed tool-call pieces
 
 
 class ChatChunkChoice(BaseModel):

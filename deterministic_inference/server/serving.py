@@ -82,15 +82,17 @@ class ServingContext:
             return await asyncio.to_thread(encode_text, tokenizer, text, param)
         return encode_text(tokenizer, text, param)
 
-    async def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a conversation through the model's chat template (400 on `messages` if the
-        template or the tokenizer refuses it)."""
+    async def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of a conversation (and its tools, for templates that render them) through the
+        model's chat template (400 on `messages` if the template or the tokenizer refuses it)."""
         tokenizer = self.info().tokenizer
         size = sum(len(str(m.get("content", ""))) for m in messages)
 
         def render() -> list[int]:
             try:
-                text = tokenizer.apply_chat_template(messages)
+                text = tokenizer.apply_chat_template(messages, tools=tools)
             except InvalidRequestError:
                 raise
             except Exception as error:  # noqa: BLE001 - request content: a 400

@@ -2,6 +2,8 @@
 
 Streaming sends, per choice, the engine's deltas (text and tokens added since the previous chunk), so
 the concatenated stream equals the non-streamed response (same text, tokens and logprob bits).
+An output constraint (vLLM's `structured_outputs`, `guided_*` or `response_format`) is compiled before
+admission; the grammar engine's refusal is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from deterministic_inference.server.serving import (
     results,
     unless_disconnected,
 )
+from deterministic_inference.server.structured import compile_checked
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -52,7 +55,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     info = ctx.info()
     tokenizer = info.tokenizer
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-    params = body.sampling_params(max_tokens, body.logprobs, _prompt_top(body))
+    spec = await compile_checked(info.grammars, body.constraint())
+    params = body.sampling_params(max_tokens, body.logprobs, _prompt_top(body), structured_output=spec)
     prompts = body.prompts()
     ctx.check_capacity(len(prompts), params.n)
     ids = [p if isinstance(p, list) else await ctx.encode(p, "prompt") for p in prompts]

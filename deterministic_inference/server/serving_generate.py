@@ -13,6 +13,9 @@ per position (null for the first input position). Values are the engine's float3
 full precision (the shortest decimal that reads back as the same float), so a client comparing them with
 ``==`` compares bits: a decoded token's logprob equals the same token's prompt logprob when the sequence
 is sent back as a prompt (the engine's decode == prefill identity).
+
+`sampling_params` `json_schema` (JSON text), `regex`, `ebnf` and `structural_tag` constrain a prompt's
+output (at most one each); they are compiled before admission, and a refusal is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from deterministic_inference.server.serving import (
     unless_disconnected,
 )
 from deterministic_inference.server.serving_completions import SSE_HEADERS
+from deterministic_inference.server.structured import compile_checked
 
 
 async def generate(ctx: ServingContext, body: GenerateRequest, request: Request) -> Response:
@@ -46,8 +50,11 @@ async def generate(ctx: ServingContext, body: GenerateRequest, request: Request)
     info = ctx.info()
     param = "text" if body.text is not None else "input_ids"
     ctx.check_capacity(len(prompts), 1, param)  # before tokenizing; `submit` checks every prompt's n
+    specs = [await compile_checked(info.grammars, o.sampling.constraint()) for o in options]
     ids = [p if isinstance(p, list) else await ctx.encode(p, param) for p in prompts]
-    params = [o.params(len(prompt), param) for o, prompt in zip(options, ids, strict=True)]
+    params = [
+        o.params(len(prompt), param, spec) for o, prompt, spec in zip(options, ids, specs, strict=True)
+    ]
     tracked = await ctx.submit(ids, params, "gen", param, "sampling_params.max_new_tokens")
     view = _View(info.tokenizer, info.system_fingerprint, options, [p.n for p in params])
     single = not batched and params[0].n == 1

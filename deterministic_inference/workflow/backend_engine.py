@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from deterministic_inference.errors import WorkflowError
-from deterministic_inference.workflow import capture
+from deterministic_inference.workflow import capture, constraints
 from deterministic_inference.workflow.artifacts import ModelLocation
 
 
@@ -50,6 +50,7 @@ def sampling_params_for(request: dict[str, Any], logprobs: int | None) -> Any:
         stop=tuple(request["stop"].get("sequences", [])),
         stop_token_ids=tuple(request["stop"].get("token_ids", [])),
         logprobs=logprobs,
+        structured_output=constraints.request_constraint(request),
     )
 
 
@@ -97,6 +98,7 @@ def run_embedded(
     started = time.perf_counter()
     engine = Engine(engine_config_for(manifest, location), record_trace=True)
     _check_loaded_files(engine.model_artifacts, locked_files)
+    constraints.compile_all(engine.grammars, requests)
     loaded = time.perf_counter()
     captures = manifest["capture"]
     recorder = None
@@ -150,6 +152,8 @@ def _submission_groups(requests: list[dict[str, Any]], policy: str) -> list[list
 
 def _prompt_for(engine: Any, request: dict[str, Any]) -> str:
     if request["kind"] == "chat":
+        if "tools" in request:
+            return constraints.chat_prompt(engine.tokenizer, request)
         rendered: str = engine.tokenizer.apply_chat_template(request["messages"])
         return rendered
     prompt: str = request["prompt"]

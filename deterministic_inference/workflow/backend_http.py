@@ -21,6 +21,7 @@ import httpx
 from deterministic_inference import fingerprint
 from deterministic_inference.errors import WorkflowError
 from deterministic_inference.workflow.backend_engine import BackendResult
+from deterministic_inference.workflow.constraints import CONSTRAINT_FIELDS
 
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 
@@ -113,6 +114,7 @@ def _body(request: dict[str, Any], model: str, top_k: int) -> dict[str, Any]:
         body.update(messages=request["messages"], logprobs=True, top_logprobs=top_k)
     else:
         body.update(prompt=request["prompt"], logprobs=top_k)
+    body.update({name: request[name] for name in CONSTRAINT_FIELDS if name in request})
     return body
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from deterministic_inference.errors import WorkflowError
+from deterministic_inference.workflow import constraints
 from deterministic_inference.workflow.canonical import digest_bytes, digest_json, loads_strict
 
 BUILTIN_PREFIX = "builtin:"
@@ -117,6 +118,8 @@ def build_requests(dataset: Dataset, n_prompts: int, template: dict[str, Any]) -
             request["messages"] = messages + [{"role": "user", "content": record["prompt"]}]
         else:
             request["prompt"] = record["prompt"]
+        constraints.check_record(record, f"{dataset.source}: record {record['id']!r}", kind == "chat")
+        request.update({name: record[name] for name in constraints.CONSTRAINT_FIELDS if name in record})
         requests.append(request)
     return requests
 

@@ -12,6 +12,8 @@ import pytest
 from deterministic_inference.audit import MODES
 from deterministic_inference.audit.client import Sample, completion_sample
 from deterministic_inference.cli.main import main
+from deterministic_inference.engine.engine import Engine
+from deterministic_inference.engine.faults import FaultInjection
 from deterministic_inference.server.app import ServerSettings
 from tests.server.harness import TINY_NAME, RunningServer, thread_server, tiny_config
 from tests.tiny_models import TinyModel
@@ -122,3 +124,27 @@ def test_audit_resets_the_cache_through_whichever_endpoint_exists(
     assert code == 0
     notes = [note for case in report["cases"] for note in case["notes"]]  # type: ignore[attr-defined]
     assert any("has no /flush_cache or /reset_prefix_cache" in note for note in notes) is not resets
+
+
+def test_negative_control_structured_mode_sees_masks_from_another_row(
+    tiny_llama_dir: TinyModel, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server that samples each constrained row with the next constrained row's mask (a test-only
+    fault): the structured mode must not pass. Either a target's outputs changed with its company (exit
+    1), or a row's token broke its own grammar and the request failed (exit 2, naming the grammar)."""
+    config = tiny_config(tiny_llama_dir)
+
+    def engine_factory() -> Engine:
+        return Engine(config, faults=FaultInjection(rotate_grammar_masks=True))
+
+    report = tmp_path / "structured.json"
+    settings = ServerSettings(served_model_name=TINY_NAME)
+    with thread_server(config, settings, engine_factory=engine_factory) as server:
+        code = main(["audit", "--base-url", server.base_url, "--mode", "structured", *SMALL,
+                     "--max-tokens", "12", "--json", str(report)])  # fmt: skip
+    captured = capsys.readouterr()
+    if code == 1:
+        cases = json.loads(report.read_text())["cases"]
+        assert any(case["unique_samples"] > 1 for case in cases)
+    else:
+        assert code == 2 and "grammar" in captured.err, captured.err

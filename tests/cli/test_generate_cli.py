@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.tiny_models import TinyModel
 
@@ -105,3 +107,39 @@ def test_kv_cache_memory_and_quantization_options(tiny_llama_dir: TinyModel) -> 
         assert result.returncode == 2 and len(lines) == 1 and needle in lines[0], result.stderr
     wrong = detinf(*base, "--quantization", "q4_0")
     assert wrong.returncode == 2 and "--quantization" in wrong.stderr
+
+
+def test_generate_with_json_schema_and_regex(tiny_llama_dir: TinyModel, tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(schema))
+    base = ("generate", "--model", str(tiny_llama_dir.path), "--prompt", "hi", "--prompt", "yo",
+            "--max-tokens", "30", "--temperature", "1.0", "--seed", "4", "--dtype", "float32",
+            "--no-selfcheck", "--json")  # fmt: skip
+    constrained = detinf(*base, "--json-schema", str(schema_file))
+    assert constrained.returncode == 0, constrained.stderr
+    for entry in json.loads(constrained.stdout)["outputs"]:
+        assert json.loads(entry["text"]) in ({"ok": True}, {"ok": False}) and entry["finish_reason"] == "stop"
+    matched = detinf(*base, "--regex", "[0-9]{3}-[a-z]{2}")
+    assert matched.returncode == 0, matched.stderr
+    for entry in json.loads(matched.stdout)["outputs"]:
+        assert re.fullmatch("[0-9]{3}-[a-z]{2}", entry["text"])
+
+
+def test_bad_constraints_are_one_line_naming_the_flag(tiny_llama_dir: TinyModel, tmp_path: Path) -> None:
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "unsupported.json").write_text('{"type": "string", "format": "no-such-format"}')
+    base = ("generate", "--model", str(tiny_llama_dir.path), "--prompt", "hi", "--dtype", "float32",
+            "--no-selfcheck")  # fmt: skip
+    for args, needle in [
+        (("--json-schema", str(tmp_path / "missing.json")), "--json-schema: cannot read"),
+        (("--json-schema", str(tmp_path / "broken.json")), "is not valid JSON"),
+        (("--json-schema", str(tmp_path / "list.json")), "must hold a JSON object"),
+        (("--json-schema", str(tmp_path / "unsupported.json")), "no-such-format"),
+        (("--regex", "(a"), "--regex: structured output (regex)"),
+    ]:
+        result = detinf(*base, *args)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and needle in lines[0], result.stderr

@@ -239,3 +239,18 @@ def test_negative_control_masks_from_another_row_are_detected(tiny_loaded: Loade
         if run_mixed(rotated, target, params, 8, "middle") != alone:
             differing.append(name)
     assert differing, "rotated masks gave identical results: the invariance test cannot fail"
+
+
+def test_a_token_its_grammar_rejects_fails_only_its_own_request(tiny_loaded: LoadedModel) -> None:
+    """With rotated masks (test-only fault) a row samples a token its own grammar rejects: that request
+    ends with finish_reason "error", an unconstrained neighbour keeps its bits, the engine keeps serving."""
+    free = SamplingParams(max_tokens=12, temperature=0.8, seed=4, ignore_eos=True, logprobs=2)
+    alone = result_of(make_engine(tiny_loaded).generate([prompt(1)], free)[0])
+    engine = make_engine(tiny_loaded, faults=FaultInjection(rotate_grammar_masks=True))
+    greedy_json = SamplingParams(max_tokens=40, temperature=0.0, structured_output=JSON_SPEC)
+    greedy_regex = SamplingParams(max_tokens=20, temperature=0.0, structured_output=REGEX_SPEC)
+    outputs = engine.generate([prompt(2), prompt(1), prompt(3)], [greedy_json, free, greedy_regex])
+    assert result_of(outputs[1]) == alone
+    reasons = [outputs[i].outputs[0].finish_reason for i in (0, 2)]
+    assert "error" in reasons and all(outputs[i].error for i in (0, 2) if reasons[i // 2] == "error")
+    assert engine.generate([prompt(2)], greedy_json)[0].outputs[0].finish_reason == "stop"

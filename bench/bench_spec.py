@@ -2,7 +2,8 @@
 on free text, threads 1 and 2, in one run.
 
 Run by hand from the repository root:
-    .venv/bin/python -m bench.bench_spec [--model default] [--threads 1 2] [--output-len 96] [--repeats 3]
+    .venv/bin/python -m bench.bench_spec [--model default] [--threads 1 2] [--output-len 96] [--repeats 3] \
+        [--prompts "copy: repeat a passage" "free text"]
 
 Two engines on the same loaded model, one plain and one with
 `{"method": "ngram", "num_speculative_tokens": K}`; each request greedy (end-of-sequence ignored) from an
@@ -74,6 +75,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--prompts", nargs="+", default=list(PROMPTS), choices=list(PROMPTS),
+                        help="which prompts to run (default: all)")
     args = parser.parse_args()
     model = None if args.model == "default" else args.model
     loaded = load_model(model)
@@ -85,7 +88,8 @@ def main() -> None:
           f"{'accepted/drafted':>16} {'same bits':>9}")
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for name, prompt in PROMPTS.items():
+        for name in args.prompts:
+            prompt = PROMPTS[name]
             before = speculative.stats()["spec_decode"]
             plain_rates, spec_rates, same = [], [], True
             for _ in range(args.repeats):  # alternate: both see the same load

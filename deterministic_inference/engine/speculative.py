@@ -164,8 +164,9 @@ class SpecDecodeStats:
 class DraftLength:
     """One sequence's adaptive draft length: grows by one after a fully accepted draft, falls to
     (accepted + 1) after a partial one, and to 0 after two drafts in a row with nothing accepted; at 0
-    it waits `PAUSE` decode steps, then tries one token again. Only speed depends on it: the tokens are
-    plain decoding's whatever is drafted."""
+    it waits `PAUSE` decode steps (doubling with each pause in a row, up to 8 x PAUSE, until a draft is
+    accepted again), then tries one token again. Only speed depends on it: the tokens are plain
+    decoding's whatever is drafted."""
 
     PAUSE = 16
 
@@ -173,6 +174,7 @@ class DraftLength:
     current: int = -1  # -1 = not started (K)
     misses: int = 0  # consecutive drafts with nothing accepted
     paused: int = 0  # decode steps left without drafting
+    pauses: int = 0  # pauses since a draft was last accepted
 
     def next(self) -> int:
         """Tokens to draft this step (0 = none)."""
@@ -187,12 +189,12 @@ class DraftLength:
 
     def update(self, drafted: int, accepted: int) -> None:
         """Adapt after a verified draft of `drafted` tokens that kept `accepted`."""
-        if accepted == drafted:
-            self.current, self.misses = min(self.limit, drafted + 1), 0
-        elif accepted > 0:
-            self.current, self.misses = accepted + 1, 0
-        else:
-            self.misses += 1
-            self.current = 0 if self.misses >= 2 else 1
-            if self.current == 0:
-                self.paused, self.misses = self.PAUSE, 0
+        if accepted > 0:
+            self.misses = self.pauses = 0
+            self.current = min(self.limit, drafted + 1) if accepted == drafted else accepted + 1
+            return
+        self.misses += 1
+        self.current = 0 if self.misses >= 2 else 1
+        if self.current == 0:
+            self.paused, self.misses = self.PAUSE << min(self.pauses, 3), 0
+            self.pauses += 1

@@ -276,6 +276,11 @@ def test_draft_length_adapts_down_to_zero_and_back() -> None:
     length.update(1, 0)  # a second draft in a row with nothing accepted: pause
     assert [length.next() for _ in range(DraftLength.PAUSE)] == [0] * DraftLength.PAUSE
     assert length.next() == 1  # then try one token again
+    length.update(1, 0)
+    assert length.next() == 1
+    length.update(1, 0)  # still nothing: a pause twice as long
+    assert [length.next() for _ in range(2 * DraftLength.PAUSE)] == [0] * (2 * DraftLength.PAUSE)
+    assert length.next() == 1
     length.update(1, 1)
     assert length.next() == 2
 

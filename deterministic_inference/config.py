@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from deterministic_inference.engine.speculative import SpeculativeConfig
 from deterministic_inference.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -42,6 +43,8 @@ class EngineConfig:
     threads: int | None = None  # torch intra-op threads; None = leave torch's default
     seed: int = 0  # seed for requests that give none, so every request is reproducible
     selfcheck: bool = True  # probe invariance at startup before serving in invariant mode
+    # speculative decoding (engine/speculative.py); None = off. Not numerics: it never changes a bit
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -64,6 +67,11 @@ class EngineConfig:
             )
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed: {self.seed} must be in [0, 2**63)")
+        speculative = self.speculative_config
+        if isinstance(speculative, (dict, str)):  # JSON text or its dict (Ray Serve args)
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_json(speculative))
+        elif speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise ConfigError("speculative_config: must be a JSON object such as {\"method\": \"ngram\"}")
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with some fields changed (validated again)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from deterministic_inference.config import DTYPES, QUANTIZATIONS, EngineConfig, parse_bytes
+from deterministic_inference.engine.speculative import SpeculativeConfig
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +46,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     group.add_argument("--default-seed", type=int, default=0, help="seed of requests that give none")
     group.add_argument("--no-selfcheck", action="store_true", help="skip the start-up invariance probes")
+    group.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON (vLLM\'s fields), e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}\'; '
+        "the tokens and logprobs stay those of plain decoding (default: off)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -63,4 +71,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         threads=args.threads,
         seed=args.default_seed,
         selfcheck=not args.no_selfcheck,
+        speculative_config=None
+        if args.speculative_config is None
+        else SpeculativeConfig.from_json(args.speculative_config),
     )

@@ -23,6 +23,7 @@ import torch
 from deterministic_inference import fingerprint
 from deterministic_inference.config import EngineConfig
 from deterministic_inference.engine.admission import AdmissionLimits
+from deterministic_inference.engine.draft_model import DraftModelProposer
 from deterministic_inference.engine.faults import FaultInjection
 from deterministic_inference.engine.grammar import GrammarCompiler
 from deterministic_inference.engine.grammar_state import SequenceGrammar
@@ -136,7 +137,13 @@ class Engine:
             config.max_num_batched_tokens,
             self.max_model_len,
             self.tokenizer.eos_token_ids,
+            config.speculative_config,
         )
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model" and spec.model is not None:
+            self.scheduler.draft_model = DraftModelProposer(
+                spec.model, config, self.dtype_name, self.spec.vocab_size, self.max_model_len
+            )
         self.runner = ModelRunner(self.model, num_blocks, config.kv_block_size, self.faults.sample_fn())
         self.limits = AdmissionLimits(
             self.spec.vocab_size, self.max_model_len, config.kv_block_size, num_blocks
@@ -295,6 +302,7 @@ class Engine:
             "kv_blocks_total": self.runner.num_blocks,
             "kv_blocks_used": self.kv.num_used_blocks,
             "prefix_cache": vars(self.kv.stats).copy(),
+            "spec_decode": self.scheduler.spec_stats.snapshot(),
             "batch_invariant": self.config.batch_invariant,
             "selfcheck": None if report is None else {"passed": report.ok, "probes": len(report.results),
                                                       "seconds": report.seconds},

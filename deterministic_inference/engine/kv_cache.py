@@ -182,6 +182,20 @@ class KVCacheManager:
         request.block_ids = []
         self._num_committed.pop(request.request_id, None)
 
+    def release_tail(self, request: Request, num_tokens: int) -> None:
+        """Speculation's KV rollback: give back the request's blocks past the first `num_tokens` token
+        slots (they hold only rejected drafts' K/V, never registered: only full blocks of computed,
+        verified tokens are), last block first like `free`."""
+        keep = -(-num_tokens // self.block_size)
+        while len(request.block_ids) > keep:
+            block = request.block_ids.pop()
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                if self._block_hash[block] is not None:
+                    raise RuntimeError(f"KV block {block}: a cached block past the known tokens")
+                heapq.heappush(self._free, block)
+                self._clock += 1
+
     def flush(self) -> int:
         """Drop every cached block no request holds (they become truly free); returns how many."""
         dropped = 0

@@ -49,6 +49,10 @@ class ModelRunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)  # chunks with `sample` that succeeded
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)  # sequence id -> request-scoped message
+    # speculation: per sequence whose chunk had drafts, the tokens chosen AFTER `sampled` (each one
+    # follows an accepted draft token, in order; the last may be the bonus or the first mismatch)
+    accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
+    drafted: dict[str, int] = field(default_factory=dict)  # sequence id -> draft tokens verified
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan, layer_hook: LayerHook | None = None) -> list[torch.Tensor | None]:
         """Runs one step. Returns, per chunk in plan order, fp32 logits [rows, vocab] or None.
 
-        rows = every row of the chunk when `all_logits`, else its last row when `sample`, else None.
+        rows = every row of the chunk when `all_logits`, else its last row (and its drafted rows, the last
+        `num_draft_tokens`) when `sample`, else None.
         All requested rows go through the logits head in ONE padded call (row-invariant).
         """
         inputs = self.prepare(plan)
@@ -129,7 +134,7 @@ class ModelRunner:
             if chunk.all_logits:
                 wanted.append(range(offset, end))
             elif chunk.sample:
-                wanted.append(range(end - 1, end))
+                wanted.append(range(end - 1 - chunk.num_draft_tokens, end))  # + drafted positions
             else:
                 wanted.append(None)
         rows = [row for span in wanted if span is not None for row in span]

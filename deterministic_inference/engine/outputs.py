@@ -76,6 +76,19 @@ class RequestDelta:
     error: str | None = None  # the request failed inside the engine: this message, no token follows
 
 
+def join_pieces(earlier: CompletionDelta, piece: CompletionDelta) -> CompletionDelta:
+    """One piece equal to `earlier` followed by `piece` (same choice): lists and text concatenated."""
+    return CompletionDelta(
+        index=piece.index,
+        token_ids=earlier.token_ids + piece.token_ids,
+        logprobs=earlier.logprobs + piece.logprobs,
+        top_logprobs=earlier.top_logprobs + piece.top_logprobs,
+        text=earlier.text + piece.text,
+        finish_reason=piece.finish_reason or earlier.finish_reason,
+        stop_reason=piece.stop_reason if piece.finish_reason else earlier.stop_reason,
+    )
+
+
 def merge_deltas(first: RequestDelta, second: RequestDelta) -> RequestDelta:
     """One delta equal to `first` followed by `second` (same request): per choice, lists and text are
     concatenated, so a consumer that merges queued deltas sees the same tokens, bits and text."""
@@ -85,15 +98,7 @@ def merge_deltas(first: RequestDelta, second: RequestDelta) -> RequestDelta:
         if earlier is None:
             choices[piece.index] = piece
             continue
-        choices[piece.index] = CompletionDelta(
-            index=piece.index,
-            token_ids=earlier.token_ids + piece.token_ids,
-            logprobs=earlier.logprobs + piece.logprobs,
-            top_logprobs=earlier.top_logprobs + piece.top_logprobs,
-            text=earlier.text + piece.text,
-            finish_reason=piece.finish_reason or earlier.finish_reason,
-            stop_reason=piece.stop_reason if piece.finish_reason else earlier.stop_reason,
-        )
+        choices[piece.index] = join_pieces(earlier, piece)
     return RequestDelta(
         request_id=first.request_id,
         outputs=[choices[index] for index in sorted(choices)],

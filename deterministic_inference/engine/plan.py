@@ -21,6 +21,9 @@ class ScheduledChunk:
     sample: bool  # True when the chunk reaches the end of the known tokens: sample from its last row
     all_logits: bool  # True when every row's logits are needed (prompt logprobs), else only the last row
     num_cached_tokens: int = 0  # prompt tokens this sequence took from the prefix cache (for the trace)
+    # speculation: the last num_draft_tokens of token_ids are drafted (unverified) tokens; with `sample`,
+    # the logits of the last num_draft_tokens + 1 rows are computed and verified (engine/spec_verify.py)
+    num_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,12 @@ Every step (`schedule`) spends a token budget of `max_num_batched_tokens`:
 A preempted sequence recomputes prompt + outputs as its "prompt"; its chunks are not sampled until all
 its known tokens are computed (`ScheduledChunk.sample`). The plan's chunks are ordered by arrival.
 
+Speculation (`speculative`): a running sequence that decodes (one known token left to compute) may add
+drafted tokens to its chunk (`engine/speculative.py` proposes them, within the budget, its max_tokens and
+max_model_len, and only when the pool holds them without preempting anyone). `update` advances
+num_computed_tokens over the verified tokens only and gives back the blocks past the known tokens, so
+the prefix cache (which registers full blocks of computed tokens) never holds an unverified token.
+
 Deterministic: the only inputs are the calls made on it; queues are lists kept sorted by arrival
 number; no wall clock, no set or dict iteration. Every `schedule()` must be followed by `update()` with
 its plan before the next `schedule()`.
@@ -25,6 +31,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from deterministic_inference.engine.admission import check_fits
 from deterministic_inference.engine.kv_cache import KVCacheManager
@@ -32,8 +39,17 @@ from deterministic_inference.engine.model_runner import ModelRunnerOutput
 from deterministic_inference.engine.outputs import RequestDelta
 from deterministic_inference.engine.plan import ScheduledChunk, StepPlan
 from deterministic_inference.engine.request import Request, RequestStatus
+from deterministic_inference.engine.speculative import (
+    DraftLength,
+    SpecDecodeStats,
+    SpeculativeConfig,
+    propose_ngram,
+)
 from deterministic_inference.engine.update import StepUpdate
 from deterministic_inference.errors import ConfigError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from deterministic_inference.engine.draft_model import DraftModelProposer
 
 
 class Scheduler:
@@ -46,6 +62,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -65,6 +82,10 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # unfinished sequences by id (lookups only)
         self._waiting: list[Request] = []  # WAITING and PREEMPTED, sorted by arrival
         self._running: list[Request] = []  # RUNNING, sorted by arrival
+        self.speculative = speculative  # None = no drafting
+        self.spec_stats = SpecDecodeStats()
+        self._draft_lengths: dict[str, DraftLength] = {}  # sequence id -> adaptive draft length
+        self.draft_model: DraftModelProposer | None = None  # method draft_model (set by the engine)
 
     @property
     def has_unfinished(self) -> bool:
@@ -121,6 +142,9 @@ class Scheduler:
         queue = self._running if request.status == RequestStatus.RUNNING else self._waiting
         queue.remove(request)
         self.kv.free(request)
+        self._draft_lengths.pop(request_id, None)
+        if self.draft_model is not None:
+            self.draft_model.forget(request_id)
         request.status = status
 
     def schedule(self) -> StepPlan:
@@ -128,14 +152,18 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
-        budget = self._schedule_running(budget, scheduled, preempted)
+        drafts: dict[str, list[int]] = {}  # sequence id -> its drafted tokens this step
+        budget = self._schedule_running(budget, scheduled, preempted, drafts)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
         scheduled.sort(key=lambda item: item[0].arrival)
         self.num_preemptions += len(preempted)
         plan = StepPlan(
             step_id=self.step,
-            chunks=tuple(self._chunk(request, count) for request, count in scheduled),
+            chunks=tuple(
+                self._chunk(request, count, drafts.get(request.request_id, []))
+                for request, count in scheduled
+            ),
             preempted_ids=tuple(preempted),
         )
         self.step += 1
@@ -153,19 +181,33 @@ class Scheduler:
             request = self._requests.get(chunk.request_id)
             if request is None or request.num_computed_tokens != chunk.start_position:
                 continue
-            request.num_computed_tokens += len(chunk.token_ids)
+            request.num_computed_tokens += len(chunk.token_ids) - chunk.num_draft_tokens
+            before = len(request.output_token_ids)
             step.apply(request, chunk.sample)
+            if chunk.num_draft_tokens:
+                self._after_draft(request, output, len(request.output_token_ids) - before)
         return step.deltas()
 
     # -- internals -------------------------------------------------------------------------------
 
     def _schedule_running(
-        self, budget: int, scheduled: list[tuple[Request, int]], preempted: list[str]
+        self,
+        budget: int,
+        scheduled: list[tuple[Request, int]],
+        preempted: list[str],
+        drafts: dict[str, list[int]],
     ) -> int:
         index = 0
         while index < len(self._running) and budget > 0:
             request = self._running[index]
             count = min(request.num_tokens - request.num_computed_tokens, budget)
+            proposed = self._propose(request, count, budget - count)
+            if proposed and self.kv.allocate(request, count + len(proposed)):
+                drafts[request.request_id] = proposed
+                scheduled.append((request, count + len(proposed)))
+                budget -= count + len(proposed)
+                index += 1
+                continue
             while not self.kv.allocate(request, count):
                 victim = self._running[-1]  # latest arrival; never one already scheduled (earlier)
                 self._preempt(victim)
@@ -190,23 +232,74 @@ class Scheduler:
             scheduled.append((request, count))
             budget -= count
 
+    def _propose(self, request: Request, count: int, spare: int) -> list[int]:
+        """Draft tokens for a decoding sequence (empty when speculation is off, the sequence is not
+        decoding its last known token, is constrained, or no n-gram matches)."""
+        config = self.speculative
+        start = request.num_computed_tokens
+        if config is None or count != 1 or request.num_tokens - start != 1:
+            return []
+        if request.params.prompt_logprobs is not None and start < request.num_prompt_tokens:
+            return []
+        length = self._draft_lengths.setdefault(
+            request.request_id, DraftLength(config.num_speculative_tokens)
+        )
+        room = min(
+            spare,
+            request.params.max_tokens - len(request.output_token_ids) - 1,
+            self.max_model_len - request.num_tokens,
+        )
+        if room < 1:
+            return []
+        limit = min(length.next(), room)
+        if self.draft_model is not None:
+            drafts = self.draft_model.propose(request, limit)
+        else:
+            drafts = propose_ngram(
+                request.all_token_ids, limit, config.prompt_lookup_min, config.prompt_lookup_max
+            )
+        if request.grammar is not None:  # its matcher never consumes an ending token (spec_verify)
+            ending = set(request.params.stop_token_ids) | set(self.eos_token_ids)
+            cut = next((i for i, token in enumerate(drafts) if token in ending), len(drafts))
+            drafts = drafts[:cut]
+        return drafts
+
+    def _after_draft(self, request: Request, output: ModelRunnerOutput, emitted: int) -> None:
+        """Count a verified draft, adapt the sequence's draft length, and roll back its KV: the blocks
+        past its known tokens (they hold only rejected drafts) go back to the pool."""
+        sequence_id = request.request_id
+        drafted = output.drafted.get(sequence_id)
+        if drafted is None:  # its sampling failed: nothing was verified
+            return
+        accepted = len(output.accepted.get(sequence_id, []))
+        self.spec_stats.record(drafted, accepted, emitted, self._max_draft())
+        length = self._draft_lengths.get(sequence_id)
+        if length is not None:
+            length.update(drafted, accepted)
+        if not request.is_finished:
+            self.kv.release_tail(request, request.num_tokens)
+
+    def _max_draft(self) -> int:
+        return 0 if self.speculative is None else self.speculative.num_speculative_tokens
+
     def _preempt(self, request: Request) -> None:
         self._running.remove(request)
         self.kv.free(request)
         request.reset_for_recompute()
         _insort(self._waiting, request)
 
-    def _chunk(self, request: Request, count: int) -> ScheduledChunk:
+    def _chunk(self, request: Request, count: int, drafts: list[int]) -> ScheduledChunk:
         start = request.num_computed_tokens
-        end = start + count
+        end = start + count - len(drafts)
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start:end]),
+            token_ids=tuple(request.all_token_ids[start:end]) + tuple(drafts),
             start_position=start,
             block_ids=tuple(request.block_ids),
             sample=end == request.num_tokens,
             all_logits=request.params.prompt_logprobs is not None and start < request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            num_draft_tokens=len(drafts),
         )
 
 

@@ -62,19 +62,28 @@ def sample_step(
     """Prompt logprobs of the chunks that asked for all rows, then one token for every chunk that ends
     its sequence's known tokens (`chunk.sample`). logits: per chunk, [rows, V] fp32 or None.
     pending_masks: the step's grammar masks being filled (joined here), None without constrained rows."""
+    from deterministic_inference.engine.spec_verify import DraftedChunk, verify_drafts
+
     out = ModelRunnerOutput()
     masks = _join_masks(pending_masks, out)
     rows: list[torch.Tensor] = []
     sampled: list[Request] = []
+    drafted: list[DraftedChunk] = []  # speculation: chunks whose drafted rows are verified
     for chunk, chunk_logits in zip(plan.chunks, logits, strict=True):
         sequence = sequences[chunk.request_id]
         if chunk.all_logits and chunk_logits is not None:
             _score_prompt(chunk, chunk_logits, sequence, out)
         if chunk.sample and chunk_logits is not None and chunk.request_id not in out.failures:
+            if chunk.num_draft_tokens:
+                drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens :]
+                drafted.append(DraftedChunk(sequence, drafts, chunk_logits[-1 - len(drafts) :]))
+                continue
             rows.append(chunk_logits[-1])  # [V]
             sampled.append(sequence)
     if rows:
         _sample_rows(rows, sampled, sample_fn or sampler.sample, out, masks)
+    if drafted:
+        verify_drafts(drafted, sample_fn or sampler.sample, out, masks)
     return out
 
 

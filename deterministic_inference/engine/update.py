@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from deterministic_inference.engine.model_runner import ModelRunnerOutput, PromptLogprobs, SampledToken
-from deterministic_inference.engine.outputs import CompletionDelta, PromptData, RequestDelta
+from deterministic_inference.engine.outputs import CompletionDelta, PromptData, RequestDelta, join_pieces
 from deterministic_inference.engine.request import ParentRequest, Request, RequestStatus
 from deterministic_inference.engine.step_sampling import failure_message
 
@@ -47,6 +47,19 @@ class StepUpdate:
             self.scheduler.kv.commit_full_blocks(request)
             return
         token = self.output.sampled[sequence_id]  # a missing token is an engine bug: let it raise
+        if not self._emit(request, token):
+            return
+        for accepted in self.output.accepted.get(sequence_id, []):  # speculation's accepted run
+            if request.is_finished:
+                break
+            request.num_computed_tokens += 1  # the draft this token follows was verified: its KV stands
+            if not self._emit(request, accepted):
+                return
+
+    def _emit(self, request: Request, token: SampledToken) -> bool:
+        """Append one chosen token to the sequence (grammar, KV blocks, text, stops, its piece); False
+        when the sequence failed doing so."""
+        sequence_id = request.request_id
         request.output_token_ids.append(token.token_id)
         self.scheduler.kv.commit_full_blocks(request)
         if request.grammar is not None:
@@ -55,13 +68,14 @@ class StepUpdate:
             except Exception as error:  # noqa: BLE001 - this sequence's failure alone
                 message = failure_message(sequence_id, "checking its token against its grammar", error)
                 self._fail(request, message)
-                return
+                return False
         try:
             text = self._advance(request, token.token_id)
         except Exception as error:  # noqa: BLE001 - this sequence's failure alone
             self._fail(request, failure_message(sequence_id, "detokenizing its output", error))
-            return
+            return False
         self._add_piece(request, _piece(request, token, text))
+        return True
 
     def deltas(self) -> list[RequestDelta]:
         """One delta per touched request; the first delta of a request carries its prompt data."""
@@ -133,9 +147,16 @@ class StepUpdate:
             self._add_piece(sequence, piece)
 
     def _add_piece(self, request: Request, piece: CompletionDelta) -> None:
+        """Add a choice's piece; a second piece of the same choice in one step (speculation emits
+        several tokens) is joined to its first, so a delta holds one piece per choice."""
         parent = request.parent
         self._touched.setdefault(parent.request_id, parent)
-        self._pieces.setdefault(parent.request_id, []).append(piece)
+        pieces = self._pieces.setdefault(parent.request_id, [])
+        for i, earlier in enumerate(pieces):
+            if earlier.index == piece.index:
+                pieces[i] = join_pieces(earlier, piece)
+                return
+        pieces.append(piece)
 
 
 def _piece(request: Request, token: SampledToken, text: str) -> CompletionDelta:

@@ -11,11 +11,15 @@ and alerts written for vLLM work unchanged:
     vllm:e2e_request_latency_seconds                          histogram
     vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total   counters, in tokens
     vllm:num_preemptions_total                                counter
+    vllm:spec_decode_num_drafts_total, vllm:spec_decode_num_draft_tokens_total,
+    vllm:spec_decode_num_accepted_tokens_total, vllm:spec_decode_num_emitted_tokens_total,
+    vllm:spec_decode_num_accepted_tokens_per_pos_total{position}   counters: speculative decoding
 
 Ours (``detinf_``): HTTP requests by path and status, aborted requests, readiness, admitted sequences,
 KV blocks, prefix-cache admissions and evictions, the invariance mode (``detinf_batch_invariant``), the
-start-up self-check (``detinf_selfcheck_info{status}``, ``detinf_selfcheck_probes``) and the
-fingerprint (``detinf_fingerprint_info{system_fingerprint, model_name}``).
+start-up self-check (``detinf_selfcheck_info{status}``, ``detinf_selfcheck_probes``), the acceptance
+length of drafted steps (``detinf_spec_decode_acceptance_length``, a histogram: draft tokens accepted per
+verified step, 0..K) and the fingerprint (``detinf_fingerprint_info{system_fingerprint, model_name}``).
 
 Request counters and histograms are updated from the event loop; engine values are read at scrape
 time from the snapshot the engine thread publishes after each step (a collector, not stored twice).
@@ -28,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -128,6 +132,7 @@ class _EngineCollector(Collector):
                        cache.get("hit_tokens", 0), model)
         yield _counter("vllm:num_preemptions", "sequences preempted (recomputed later)",
                        stats.get("num_preemptions", 0), model)
+        yield from _spec_decode(stats.get("spec_decode") or {}, model)
         yield from self._own(stats, cache, used, total, model)
 
     def _own(self, stats: dict[str, Any], cache: dict[str, Any], used: int, total: int,
@@ -159,6 +164,32 @@ class _EngineCollector(Collector):
                                      labels=("system_fingerprint", MODEL_LABEL))
             info.add_metric((fingerprint, model), 1)
             yield info
+
+
+def _spec_decode(spec: dict[str, Any], model: str) -> Iterator[Metric]:
+    """Speculative decoding counters (vLLM's names) and our acceptance-length histogram."""
+    for key, text in (("num_drafts", "drafted steps verified"),
+                      ("num_draft_tokens", "draft tokens scored by the target"),
+                      ("num_accepted_tokens", "draft tokens equal to the token chosen at their position"),
+                      ("num_emitted_tokens", "tokens emitted by drafted steps")):
+        yield _counter(f"vllm:spec_decode_{key}", text, spec.get(key, 0), model)
+    per_position = spec.get("accepted_per_position") or []
+    family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                 "accepted draft tokens by draft position", labels=(MODEL_LABEL, "position"))
+    for position, count in enumerate(per_position):
+        family.add_metric((model, str(position)), count)
+    yield family
+    lengths = spec.get("acceptance_lengths") or []
+    histogram = HistogramMetricFamily("detinf_spec_decode_acceptance_length",
+                                      "draft tokens accepted per verified drafted step",
+                                      labels=(MODEL_LABEL,))
+    cumulative, buckets = 0, []
+    for accepted, count in enumerate(lengths):
+        cumulative += count
+        buckets.append((str(float(accepted)), cumulative))
+    buckets.append(("+Inf", cumulative))
+    histogram.add_metric((model,), buckets, sum_value=float(spec.get("num_accepted_tokens", 0)))
+    yield histogram
 
 
 _Family = TypeVar("_Family", GaugeMetricFamily, CounterMetricFamily)

@@ -88,7 +88,15 @@ def engine_config_for(manifest: dict[str, Any], location: ModelLocation) -> Any:
         threads=manifest["runtime"]["threads"],
         seed=engine["seed"],
         selfcheck=engine["selfcheck"],
+        speculative_config=_speculative(engine.get("speculative_config")),
     )
+
+
+def _speculative(value: dict[str, Any] | None) -> Any:
+    """The manifest's engine.speculative_config (validated with the manifest) as a SpeculativeConfig."""
+    from deterministic_inference.engine.speculative import SpeculativeConfig
+
+    return None if value is None else SpeculativeConfig.from_json(value)
 
 
 def run_embedded(

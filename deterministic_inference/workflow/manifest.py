@@ -26,7 +26,7 @@ import jsonschema
 import yaml
 
 from deterministic_inference.config import EngineConfig
-from deterministic_inference.errors import WorkflowError
+from deterministic_inference.errors import ConfigError, WorkflowError
 from deterministic_inference.workflow import migrate
 from deterministic_inference.workflow.canonical import loads_strict, manifest_id
 from deterministic_inference.workflow.dataset import (
@@ -297,6 +297,7 @@ def _check_cross_fields(data: dict[str, Any], where: str) -> None:
             f"{where}: $.engine.kv_cache_memory: num_kv_blocks also sizes the KV pool; "
             "fix: set only one of them (the other null)"
         )
+    _check_speculative(where, engine.get("speculative_config"), data["capture"]["activations"]["enabled"])
     source_type = data["model"]["source"]["type"]
     backend = data["runtime"]["execution"]["backend"]
     if source_type == "remote" and backend != "openai_compatible":
@@ -340,3 +341,24 @@ def _plain_json(value: Any, where: str, path: str) -> Any:
     if value is None or isinstance(value, bool | int | float | str):
         return value
     raise WorkflowError(f"{where}: {path}: a {type(value).__name__} has no JSON form; write a string instead")
+
+
+def _check_speculative(where: str, value: Any, activations: bool) -> None:
+    """$.engine.speculative_config (optional, vLLM's field names): WorkflowError naming the field. Not
+    with activation capture: that records every computed row, rejected drafts' rows included."""
+    if value is None:
+        return
+    if activations:
+        raise WorkflowError(
+            f"{where}: $.engine.speculative_config: activation capture records every computed row, "
+            "rejected drafts included; fix: set capture.activations.enabled to false or remove it"
+        )
+    from deterministic_inference.engine.speculative import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.from_json(value)
+    except ConfigError as error:
+        raise WorkflowError(
+            f"{where}: $.engine.{error}; fix: write vLLM's fields, e.g. "
+            '{"method": "ngram", "num_speculative_tokens": 4}, or null'
+        ) from None

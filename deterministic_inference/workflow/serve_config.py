@@ -10,6 +10,7 @@ server listens where ``runtime.execution.base_url`` points (the address `detinf 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 from urllib.parse import urlsplit
@@ -61,6 +62,7 @@ def apply_manifest(args: argparse.Namespace, listen_defaults: dict[str, Any]) ->
         "threads": data["runtime"]["threads"],
         "default_seed": engine["seed"],
         "no_selfcheck": not engine["selfcheck"],
+        "speculative_config": _speculative_json(engine.get("speculative_config")),
     }
     for name, value in settings.items():
         setattr(args, name, value)
@@ -86,3 +88,8 @@ def _listen_from_base_url(args: argparse.Namespace, base_url: str | None, defaul
         args.host = parts.hostname
     if args.port == defaults["port"] and port is not None:
         args.port = port
+
+
+def _speculative_json(value: dict[str, Any] | None) -> str | None:
+    """engine.speculative_config as the --speculative-config text `serve` parses."""
+    return None if value is None else json.dumps(value, sort_keys=True)

@@ -1,0 +1,200 @@
+"""Speculative decoding settings (`--speculative-config`, vLLM's names) and the n-gram proposer.
+
+Speculation changes speed, never a sample: the target model scores a sequence's last token and its
+drafted tokens in one pass, every position's token is chosen exactly as plain decoding would choose it
+(`engine/spec_verify.py`), and a draft token is kept only when it equals that choice. So the settings
+here are not numerics: they do not enter the fingerprint.
+
+Proposer (method "ngram", prompt lookup): the longest suffix of the sequence's known tokens (prompt +
+output) of n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`, that also occurs earlier
+in them; the draft is the tokens that followed its MOST RECENT earlier occurrence (documented choice:
+recent text is the likeliest to be copied next), at most K of them; when that occurrence is so recent
+that fewer than K tokens follow it, the copy goes on with the same period (a repetition continues). A
+pure function of the tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from deterministic_inference.errors import ConfigError
+
+METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16  # drafts per step: more only costs rows when acceptance ends early
+_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """What to draft with and how many tokens per step (vLLM's `speculative_config` field names)."""
+
+    method: str = "ngram"  # "ngram" (prompt lookup) or "draft_model"
+    num_speculative_tokens: int = 4  # K: most drafted tokens scored per sequence and step
+    prompt_lookup_min: int = 1  # shortest suffix n-gram looked up (ngram)
+    prompt_lookup_max: int = 4  # longest suffix n-gram looked up (ngram)
+    model: str | None = None  # draft model path (draft_model)
+
+    def __post_init__(self) -> None:
+        field = "speculative_config"
+        if self.method not in METHODS:
+            raise ConfigError(f"{field}.method: {self.method!r} is not one of {', '.join(METHODS)}")
+        k = self.num_speculative_tokens
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                f"{field}.num_speculative_tokens: {k!r} must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]"
+            )
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ConfigError(f"{field}.{name}: {value!r} must be a positive integer")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(
+                f"{field}.prompt_lookup_min: {self.prompt_lookup_min} is above prompt_lookup_max "
+                f"{self.prompt_lookup_max}; lower it"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ConfigError(f"{field}.model: missing; give the draft model's GGUF file or HF directory")
+        if self.method == "ngram" and self.model is not None:
+            raise ConfigError(f"{field}.model: only method 'draft_model' takes a model; remove it")
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any]) -> SpeculativeConfig:
+        """Parse `--speculative-config` (a JSON object, or an already parsed dict); ConfigError naming
+        the field on any problem."""
+        if isinstance(text, str):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise ConfigError(
+                    f"speculative_config: not valid JSON ({error.msg}); write e.g. "
+                    '\'{"method": "ngram", "num_speculative_tokens": 4}\''
+                ) from None
+        else:
+            value = text
+        if not isinstance(value, dict):
+            raise ConfigError("speculative_config: must be a JSON object")
+        unknown = sorted(set(value) - set(_FIELDS))
+        if unknown:
+            raise ConfigError(
+                f"speculative_config.{unknown[0]}: unknown field; known fields: {', '.join(_FIELDS)}"
+            )
+        if "method" not in value:
+            raise ConfigError("speculative_config.method: missing; give 'ngram'")
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict (for the manifest and the server's info)."""
+        return {name: getattr(self, name) for name in _FIELDS if getattr(self, name) is not None}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def propose_ngram(tokens: list[int], max_draft: int, lookup_min: int, lookup_max: int) -> list[int]:
+    """Up to `max_draft` tokens that followed the most recent earlier occurrence of the longest suffix
+    n-gram of `tokens` (n in [lookup_min, lookup_max]); [] when none occurs or max_draft < 1."""
+    count = len(tokens)
+    if max_draft < 1 or count < lookup_min + 1:
+        return []
+    array = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(lookup_max, count - 1), lookup_min - 1, -1):
+        suffix = array[count - n :]
+        # windows[i] = tokens[i : i + n] for every start i whose window ends before the suffix starts
+        # or overlaps it, but never the suffix itself (i < count - n)
+        windows = np.lib.stride_tricks.sliding_window_view(array[: count - 1], n)  # [count - n, n]
+        matches = np.flatnonzero((windows == suffix).all(axis=1))
+        if matches.size:
+            return _continuation(tokens, int(matches[-1]) + n, max_draft)
+    return []
+
+
+def _continuation(tokens: list[int], start: int, count: int) -> list[int]:
+    """`count` tokens copied from `start` on; past the end the copy reads its own earlier drafts (a
+    match that overlaps the suffix continues the repetition period)."""
+    extended = list(tokens[start:])
+    period = len(tokens) - start
+    for j in range(len(extended), count):
+        extended.append(extended[j - period])
+    return extended[:count]
+
+
+@dataclass
+class SpecDecodeStats:
+    """Cumulative speculation counters (plain ints) for /metrics."""
+
+    num_drafts: int = 0  # drafted steps verified (one per sequence and step with drafts)
+    num_draft_tokens: int = 0  # draft tokens scored
+    num_accepted_tokens: int = 0  # draft tokens equal to the token chosen at their position
+    num_emitted_tokens: int = 0  # tokens appended by drafted steps (accepted + the one chosen after)
+    # acceptance_lengths[a] = drafted steps that accepted exactly a draft tokens (a in [0, K])
+    acceptance_lengths: list[int] | None = None
+    accepted_per_position: list[int] | None = None  # [j] = drafted steps that accepted draft j
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counters as a fresh dict (lists copied: the engine thread keeps counting)."""
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_emitted_tokens": self.num_emitted_tokens,
+            "acceptance_lengths": list(self.acceptance_lengths or []),
+            "accepted_per_position": list(self.accepted_per_position or []),
+        }
+
+    def record(self, drafted: int, accepted: int, emitted: int, max_tokens: int) -> None:
+        """Count one verified drafted step."""
+        if self.acceptance_lengths is None or self.accepted_per_position is None:
+            self.acceptance_lengths = [0] * (max_tokens + 1)
+            self.accepted_per_position = [0] * max_tokens
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.num_emitted_tokens += emitted
+        self.acceptance_lengths[accepted] += 1
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+
+@dataclass
+class DraftLength:
+    """One sequence's adaptive draft length: grows by one after a fully accepted draft, falls to
+    (accepted + 1) after a partial one, and to 0 after two drafts in a row with nothing accepted; at 0
+    it waits `PAUSE` decode steps (doubling with each pause in a row, up to 8 x PAUSE, until a draft is
+    accepted again), then tries one token again. Only speed depends on it: the tokens are plain
+    decoding's whatever is drafted."""
+
+    PAUSE = 16
+
+    limit: int  # K
+    current: int = -1  # -1 = not started (K)
+    misses: int = 0  # consecutive drafts with nothing accepted
+    paused: int = 0  # decode steps left without drafting
+    pauses: int = 0  # pauses since a draft was last accepted
+
+    def next(self) -> int:
+        """Tokens to draft this step (0 = none)."""
+        if self.current < 0:
+            self.current = self.limit
+        if self.current == 0:
+            if self.paused > 0:
+                self.paused -= 1
+                return 0
+            self.current = 1
+        return self.current
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Adapt after a verified draft of `drafted` tokens that kept `accepted`."""
+        if accepted > 0:
+            self.misses = self.pauses = 0
+            self.current = min(self.limit, drafted + 1) if accepted == drafted else accepted + 1
+            return
+        self.misses += 1
+        self.current = 0 if self.misses >= 2 else 1
+        if self.current == 0:
+            self.paused, self.misses = self.PAUSE << min(self.pauses, 3), 0
+            self.pauses += 1

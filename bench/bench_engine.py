@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from bench.vllm_cpu_worker import run_worker
 from deterministic_inference.config import EngineConfig
 from deterministic_inference.engine.engine import Engine
 from deterministic_inference.engine.sampling_params import SamplingParams
@@ -97,23 +97,11 @@ def bench_hf(peer_dir: str, prompts: list[list[int]], output_len: int) -> dict:
 
 def bench_vllm(peer_dir: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     """vLLM-CPU on `prompts` in a child process under `args.vllm_python`, on the bf16 HF directory."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), VLLM_CPU_KVCACHE_SPACE="2")
-    iomp = Path(args.vllm_python).resolve().parent.parent / "lib" / "libiomp5.so"
-    if iomp.exists():
-        env["LD_PRELOAD"] = str(iomp)
     with tempfile.TemporaryDirectory() as scratch:
         prompts_path = Path(scratch) / "prompts.json"
         prompts_path.write_text(json.dumps(prompts))
-        worker = Path(__file__).resolve().parent / "vllm_cpu_worker.py"
-        command = [args.vllm_python, str(worker), peer_dir, str(prompts_path), str(args.output_len)]
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise SystemExit(f"vLLM-CPU worker failed: {done.stderr.strip()[-2000:]}")
-    # vLLM logs to stdout too: the result is the one line that is our JSON object.
-    results = [line for line in done.stdout.splitlines() if line.startswith('{"impl"')]
-    if not results:
-        raise SystemExit(f"vLLM-CPU worker printed no result: {done.stdout.strip()[-2000:]}")
-    return dict(json.loads(results[-1]))
+        worker_args = [peer_dir, str(prompts_path), str(args.output_len)]
+        return run_worker(args.vllm_python, args.threads, worker_args)[-1]
 
 
 IMPLS = ("inv", "plain", "hf", "vllm")

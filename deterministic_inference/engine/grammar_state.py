@@ -120,7 +120,8 @@ def fill_masks(rows: list[Request], vocab_size: int, executor: llguidance.LLExec
     grammars: list[tuple[Request, SequenceGrammar]] = []
     for sequence in rows:
         grammar = sequence.grammar
-        assert grammar is not None  # constrained_rows keeps only these
+        if grammar is None:  # constrained_rows keeps only constrained sequences
+            raise RuntimeError(f"sequence {sequence.request_id} has no grammar to fill a mask from")
         try:
             grammar.sync(sequence.output_token_ids)
         except GrammarViolation as error:
@@ -169,17 +170,17 @@ class MaskFiller:
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self._pool: ThreadPoolExecutor | None = None
-        self._executor: llguidance.LLExecutor | None = None
+        # the fill thread and llguidance's executor, made together at the first constrained step
+        self._workers: tuple[ThreadPoolExecutor, llguidance.LLExecutor] | None = None
 
     def start(self, plan: StepPlan, sequences: Mapping[str, Request]) -> PendingMasks | None:
         """Begin filling the masks of the plan's sampled constrained rows; None when there are none."""
         rows = constrained_rows(plan, sequences)
         if not rows:
             return None
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="detinf-masks")
-            self._executor = llguidance.LLExecutor()
-        assert self._executor is not None
-        future = self._pool.submit(fill_masks, rows, self.vocab_size, self._executor)
+        if self._workers is None:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="detinf-masks")
+            self._workers = (pool, llguidance.LLExecutor())
+        pool, executor = self._workers
+        future = pool.submit(fill_masks, rows, self.vocab_size, executor)
         return PendingMasks([s.request_id for s in rows], future)

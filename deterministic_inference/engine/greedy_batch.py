@@ -123,23 +123,28 @@ def greedy_rows(
     maxima = _block_maxima(block)  # [R, blocks]
     usable = ~torch.isnan(maxima).any(dim=1)  # [R]; NaN logits: the per-row path decides
     tokens = _argmax_rows(block, maxima)  # [R]
+    return _row_results(logprobs, tokens, usable, ks)
+
+
+def _row_results(
+    logprobs: torch.Tensor, tokens: torch.Tensor, usable: torch.Tensor, ks: list[int]
+) -> list[RowResult | None]:
+    """Each row's (token, its logprob, the k best (id, logprob)) from logprobs [R, V], chosen tokens [R]
+    and usable [R] bool; None for rows not usable or whose top-logprob search is not exact. Row-wise:
+    gathers and `best_rows` read each row alone."""
     token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)  # [R]
     k = max(ks)
     tops: list[list[tuple[int, float]]] = [[] for _ in ks]
     if k > 0:
         ids, exact = best_rows(logprobs, k)  # [R, k], [R]
-        usable &= exact | torch.tensor([row_k == 0 for row_k in ks])
+        usable = usable & (exact | torch.tensor([row_k == 0 for row_k in ks]))
         id_lists, value_lists = ids.tolist(), logprobs.gather(1, ids).tolist()
         tops = [
             list(zip(i[:row_k], v[:row_k], strict=True))
             for i, v, row_k in zip(id_lists, value_lists, ks, strict=True)
         ]
-    return [
-        (token, value, top) if ok else None
-        for token, value, top, ok in zip(
-            tokens.tolist(), token_logprobs.tolist(), tops, usable.tolist(), strict=True
-        )
-    ]
+    found = zip(tokens.tolist(), token_logprobs.tolist(), tops, usable.tolist(), strict=True)
+    return [(token, value, top) if ok else None for token, value, top, ok in found]
 
 
 def _masked_greedy_rows(block: torch.Tensor, ks: list[int], allowed: torch.Tensor) -> list[RowResult | None]:
@@ -150,14 +155,4 @@ def _masked_greedy_rows(block: torch.Tensor, ks: list[int], allowed: torch.Tenso
     logprobs = log_softmax_rows(block)  # [R, V], raw: before the mask
     usable = ~torch.isnan(_block_maxima(block)).any(dim=1)  # [R]
     tokens = _argmax_rows(masked, _block_maxima(masked))  # [R]
-    token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)  # [R]
-    k = max(ks)
-    tops: list[list[tuple[int, float]]] = [[] for _ in ks]
-    if k > 0:
-        ids, exact = best_rows(logprobs, k)  # [R, k], [R]
-        usable &= exact | torch.tensor([row_k == 0 for row_k in ks])
-        id_lists, value_lists = ids.tolist(), logprobs.gather(1, ids).tolist()
-        pairs = zip(id_lists, value_lists, ks, strict=True)
-        tops = [list(zip(i[:n], v[:n], strict=True)) for i, v, n in pairs]
-    found = zip(tokens.tolist(), token_logprobs.tolist(), tops, usable.tolist(), strict=True)
-    return [(token, value, top) if ok else None for token, value, top, ok in found]
+    return _row_results(logprobs, tokens, usable, ks)

@@ -40,6 +40,7 @@ from deterministic_inference.workflow.canonical import (
     loads_strict,
     sha256_hex,
 )
+from deterministic_inference.workflow.rundir import sync_dir, write_synced
 
 CHECKPOINT_PREFIX = ".detinf-ckpt-"
 RECORDS_FILE = "records.log"
@@ -205,19 +206,9 @@ def _kill_point(record: dict[str, Any], segment_number: int) -> str | None:
 
 
 def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    _sync_dir(path.parent)
-
-
-def _sync_dir(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    """A new file written and fsync'd, then its folder, so the file's entry survives a kill too."""
+    write_synced(path, data)
+    sync_dir(path.parent)
 
 
 def _lock_file(path: Path) -> int:
@@ -237,7 +228,7 @@ def create(folder: Path, header: dict[str, Any]) -> Checkpoint:
     folder.mkdir(exist_ok=True)
     _write_synced(folder / RECORDS_FILE, encode_record(dict(header, kind=KIND, type="header",
                                                             created_at=now())))
-    _sync_dir(folder.parent)
+    sync_dir(folder.parent)
     return Checkpoint(folder, header, created=True, _descriptor=_lock_file(folder / RECORDS_FILE))
 
 

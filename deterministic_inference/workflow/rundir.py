@@ -66,13 +66,13 @@ def write_run_dir(target: Path, files: dict[str, bytes], bundle: dict[str, Any])
         temporary.mkdir()
         digests = {}
         for name in sorted(files):
-            _write_synced(temporary / name, files[name])
+            write_synced(temporary / name, files[name])
             digests[name] = digest_bytes(files[name])
         record = seal_bundle(dict(bundle, files=digests, complete=True))
-        _write_synced(temporary / BUNDLE_FILE, json_bytes(record))
-        _sync_dir(temporary)
+        write_synced(temporary / BUNDLE_FILE, json_bytes(record))
+        sync_dir(temporary)
         os.rename(temporary, target)
-        _sync_dir(target.parent)
+        sync_dir(target.parent)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
@@ -85,7 +85,8 @@ def seal_bundle(bundle: dict[str, Any]) -> dict[str, Any]:
     return dict(unsealed, bundle_digest=digest_json(unsealed))
 
 
-def _write_synced(path: Path, data: bytes) -> None:
+def write_synced(path: Path, data: bytes) -> None:
+    """Write `data` to `path` and fsync the file (its folder is the caller's to sync)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as handle:
         handle.write(data)
@@ -93,7 +94,8 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
-def _sync_dir(path: Path) -> None:
+def sync_dir(path: Path) -> None:
+    """fsync a folder, so the entries made in it survive a crash."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)

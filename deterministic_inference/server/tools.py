@@ -139,23 +139,34 @@ def call_grammar(allowed: Sequence[Tool], lazy: bool, parallel: bool) -> str:
     """The Lark grammar (llguidance dialect) of the tool-call format: each call names an allowed tool
     and its arguments are an inline JSON schema (`%json`). `lazy`: free text until the model writes
     `<tool_call>` ("auto"); else the answer is the call(s) only."""
-    functions = []
-    for index, tool in enumerate(allowed):
-        head = json.dumps(f'"{tool.name}", "arguments": ')
-        functions.append(f"fn_{index}: {head} %json{tool.schema_source}")
-    body = f'"\\n{{\\"name\\": " ({" | ".join(f"fn_{i}" for i in range(len(allowed)))}) "}}\\n{CALL_CLOSE}"'
-    rules = "\n".join(functions)
+    choices, rules = _function_rules(allowed, "arguments")
+    body = f'"\\n{{\\"name\\": " ({choices}) "}}\\n{CALL_CLOSE}"'
     if lazy:
-        return (
-            "%llguidance {}\n"
-            f"start: call{'*' if parallel else '?'} free\n"
-            "free: FREE_TEXT\n"
-            "FREE_TEXT: /(.|\\n)*/\n"
-            f'trigger[lazy]: FREE_TEXT "{CALL_OPEN}"\n'
-            f"call: trigger {body}\n{rules}\n"
-        )
+        return _lazy_calls(f'"{CALL_OPEN}"', body, parallel, rules)
     repeat = ' ("\\n" call)*' if parallel else ""
     return f'start: call{repeat}\ncall: "{CALL_OPEN}" {body}\n{rules}\n'
+
+
+def _function_rules(allowed: Sequence[Tool], arguments_key: str) -> tuple[str, str]:
+    """("fn_0 | fn_1 | ...", the rules): rule fn_i is tool i's name then its arguments under
+    `arguments_key` as an inline JSON schema (`%json`)."""
+    rules = []
+    for index, tool in enumerate(allowed):
+        head = json.dumps(f'"{tool.name}", "{arguments_key}": ')
+        rules.append(f"fn_{index}: {head} %json{tool.schema_source}")
+    return " | ".join(f"fn_{i}" for i in range(len(allowed))), "\n".join(rules)
+
+
+def _lazy_calls(trigger: str, body: str, parallel: bool, rules: str) -> str:
+    """A lazy grammar ("auto"): free text until the model writes the `trigger` literal, then `body`."""
+    return (
+        "%llguidance {}\n"
+        f"start: call{'*' if parallel else '?'} free\n"
+        "free: FREE_TEXT\n"
+        "FREE_TEXT: /(.|\\n)*/\n"
+        f"trigger[lazy]: FREE_TEXT {trigger}\n"
+        f"call: trigger {body}\n{rules}\n"
+    )
 
 
 LLAMA_OPEN = '{"name": '  # what starts a call in the Llama 3.x JSON form
@@ -174,21 +185,9 @@ def tool_style(template_source: str | None) -> str:
 def llama_grammar(allowed: Sequence[Tool], lazy: bool, parallel: bool) -> str:
     """The Lark grammar of Llama 3.x JSON calls (`{"name": "f", "parameters": {...}}`, "; " between
     parallel calls); `lazy`: free text until the model writes `{"name": ` ("auto")."""
-    functions = []
-    for index, tool in enumerate(allowed):
-        head = json.dumps(f'"{tool.name}", "parameters": ')
-        functions.append(f"fn_{index}: {head} %json{tool.schema_source}")
-    choices = " | ".join(f"fn_{i}" for i in range(len(allowed)))
-    rules = "\n".join(functions)
+    choices, rules = _function_rules(allowed, "parameters")
     if lazy:
-        return (
-            "%llguidance {}\n"
-            f"start: call{'*' if parallel else '?'} free\n"
-            "free: FREE_TEXT\n"
-            "FREE_TEXT: /(.|\\n)*/\n"
-            f"trigger[lazy]: FREE_TEXT {json.dumps(LLAMA_OPEN)}\n"
-            f'call: trigger ({choices}) "}}"\n{rules}\n'
-        )
+        return _lazy_calls(json.dumps(LLAMA_OPEN), f'({choices}) "}}"', parallel, rules)
     repeat = f" ({json.dumps(LLAMA_SEPARATOR)} call)*" if parallel else ""
     return f'start: call{repeat}\ncall: {json.dumps(LLAMA_OPEN)} ({choices}) "}}"\n{rules}\n'
 

@@ -156,3 +156,26 @@ def _masked_greedy_rows(block: torch.Tensor, ks: list[int], allowed: torch.Tenso
     usable = ~torch.isnan(_block_maxima(block)).any(dim=1)  # [R]
     tokens = _argmax_rows(masked, _block_maxima(masked))  # [R]
     return _row_results(logprobs, tokens, usable, ks)
+
+
+def greedy_batches(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    past_tokens: list[list[int]],
+    output_tokens: list[list[int]],
+    masks: list[torch.Tensor | None],
+    rows: list[RowResult | None],
+) -> None:
+    """Fill `rows` [R] for the plain greedy rows of `logits` [R, V] through `greedy_rows`: unconstrained
+    rows in one call, constrained rows (with their masks) in another; each row's result depends on its
+    own inputs only, so the grouping cannot change a bit."""
+    greedy = [r for r in range(logits.shape[0]) if plain_greedy(params[r], past_tokens[r], output_tokens[r])]
+    for masked in (False, True):
+        group = [r for r in greedy if (masks[r] is not None) == masked]
+        if not group:
+            continue
+        block = logits if len(group) == logits.shape[0] else logits[torch.tensor(group)]
+        allowed = torch.stack([masks[r] for r in group]) if masked else None  # type: ignore[misc]
+        batched = greedy_rows(block.to(torch.float32), [params[r].logprobs or 0 for r in group], allowed)
+        for r, row in zip(group, batched, strict=True):
+            rows[r] = row

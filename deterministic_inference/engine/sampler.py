@@ -53,7 +53,7 @@ from typing import TypeVar
 
 import torch
 
-from deterministic_inference.engine.greedy_batch import RowResult, greedy_rows, plain_greedy
+from deterministic_inference.engine.greedy_batch import RowResult, greedy_batches
 from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.engine.seeded_batch import seeded_results
 from deterministic_inference.ops.logprobs import log_softmax_rows
@@ -354,7 +354,7 @@ def sample(
     row_masks: list[torch.Tensor | None] = list(masks) if masks is not None else [None] * logits.shape[0]
     _check_batch(logits, {"masks": len(row_masks)})
     rows: list[RowResult | None] = [None] * logits.shape[0]
-    _greedy_batches(logits, params, past_tokens, output_tokens, row_masks, rows)
+    greedy_batches(logits, params, past_tokens, output_tokens, row_masks, rows)
     seeded = seeded_results(
         logits, params, seeds, positions, past_tokens, output_tokens, (_gumbel_argmax, gumbel_at), row_masks
     )
@@ -370,28 +370,6 @@ def sample(
         result.logprobs.append(row[1])
         result.top_logprobs.append(row[2])
     return result
-
-
-def _greedy_batches(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    past_tokens: list[list[int]],
-    output_tokens: list[list[int]],
-    masks: list[torch.Tensor | None],
-    rows: list[RowResult | None],
-) -> None:
-    """The plain greedy rows through `greedy_rows`: unconstrained rows in one call, constrained rows
-    (with their masks) in another; each row's result depends on its own inputs only."""
-    greedy = [r for r in range(logits.shape[0]) if plain_greedy(params[r], past_tokens[r], output_tokens[r])]
-    for masked in (False, True):
-        group = [r for r in greedy if (masks[r] is not None) == masked]
-        if not group:
-            continue
-        block = logits if len(group) == logits.shape[0] else logits[torch.tensor(group)]
-        allowed = torch.stack([masks[r] for r in group]) if masked else None  # type: ignore[misc]
-        batched = greedy_rows(block.to(torch.float32), [params[r].logprobs or 0 for r in group], allowed)
-        for r, row in zip(group, batched, strict=True):
-            rows[r] = row
 
 
 def as_batch(rows: list[torch.Tensor]) -> torch.Tensor:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from deterministic_inference.model.loader import expected_shapes
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache, paged_attention
 from deterministic_inference.ops.linear import Linear
-from deterministic_inference.ops.native import NativeKernels, native_kernels
+from deterministic_inference.ops.native import NativeKernels, load, native_kernels
 from deterministic_inference.ops.quant import FORMATS, QuantLinear
 from deterministic_inference.ops.quant_probe import random_weight
 
@@ -123,12 +124,15 @@ def _attention_inputs(
     return q, k_cache, v_cache, meta
 
 
-def bench_attention(rounds: int) -> None:
-    """Invariant attention (the compiled kernel) vs per-sequence SDPA (batch_invariant=False), one layer."""
+def bench_attention(rounds: int, libraries: Sequence[Path] = ()) -> None:
+    """Invariant attention (the compiled kernel) vs per-sequence SDPA (batch_invariant=False), one layer.
+    `libraries`: built kernel libraries to time side by side instead of this process's build (e.g. one
+    -march level's builds of two source versions, from the kernel cache)."""
     cases = [(32, 1, 256), (4, 128, 128)]  # (sequences, query tokens each, context): decode, prefill
-    kernels = native_kernels()  # builds the kernel on first use (NativeBuildError without a C compiler)
-    print(f"\n### attention, one layer: ms per call (ratio to per-sequence SDPA); kernel {kernels.digest}")
-    print("| dtype S x n @ context | sdpa | native kernel |\n|---|---|---|")
+    builds = {path.stem: load(path) for path in libraries} or {"native": native_kernels()}
+    names = " | ".join(builds)
+    print(f"\n### attention, one layer: ms per call (ratio to per-sequence SDPA); kernels {names}")
+    print(f"| dtype S x n @ context | sdpa | {names} |\n|---|---|{'---|' * len(builds)}")
     for dtype_name, dtype in DTYPES.items():
         for num_seqs, n, context in cases:
             q, k_cache, v_cache, meta = _attention_inputs(num_seqs, n, context, dtype)
@@ -137,7 +141,7 @@ def bench_attention(rounds: int) -> None:
                 name: functools.partial(
                     paged_attention, q, k_cache, v_cache, meta, scale=scale, kernels=choice
                 )
-                for name, choice in (("sdpa", None), ("native", kernels))
+                for name, choice in (("sdpa", None), *builds.items())
             }
             print_row(f"{dtype_name} {num_seqs}x{n} @ {context}", best_times(fns, rounds), "sdpa")
 
@@ -355,13 +359,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=32, help="engine section: streams")
     parser.add_argument("--no-hf", action="store_true", help="engine section: skip HF transformers")
+    parser.add_argument(
+        "--libraries", type=Path, nargs="*", default=[], help="attention section: kernel builds to compare"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     if "linear" in args.section:
         bench_linear(args.rounds)
     if "attention" in args.section:
-        bench_attention(args.rounds)
+        bench_attention(args.rounds, args.libraries)
     if "activation" in args.section:
         bench_activation(args.rounds)
     if "step" in args.section:

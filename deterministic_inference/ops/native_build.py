@@ -9,6 +9,8 @@ renamed into place, so processes building at the same time cannot load a half-wr
 Each source is compiled to an object file by its own compiler process, up to one per CPU this process
 may run on, the slowest sources first; then one link. The compiler compiles every source on its own
 whether it is given one or all of them, so the library is the one a single `cc a.c b.c ...` makes.
+Object files are kept too (`objects` beside the libraries), keyed by the preprocessed source, so builds
+that differ only in what some sources see recompile only those sources.
 
 Why the build cannot change bits: the flags forbid reassociation (no -ffast-math) and contraction
 (-ffp-contract=off: the compiler fuses no multiply-add the source does not write as fmaf), so every
@@ -114,7 +116,7 @@ def build(isa_flags: tuple[str, ...] = ISA_FLAGS, directory: Path | None = None,
 def library_path(cc: str, isa_flags: tuple[str, ...], directory: Path | None = None) -> Path:
     """Where the build for these flags with compiler `cc` is cached: named by the sha256 of the sources,
     the flags and the compiler's version."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    version = _compiler_version(cc)
     flags = (*BASE_FLAGS, *isa_flags)
     digest = hashlib.sha256(_source_bytes() + "\0".join((*flags, version)).encode()).hexdigest()[:16]
     return (directory or cache_dir()) / f"attention-{digest}.so"
@@ -127,14 +129,21 @@ def available_cpus() -> int:
 
 
 def _compile_objects(cc: str, flags: Sequence[str], work: Path, jobs: int) -> list[Path]:
-    """Every source to an object file in `work`, `jobs` compiler processes at once (the slowest
-    sources first, then the largest, so no long compile starts last); the objects in SOURCES order."""
+    """Every source to an object file, `jobs` compiler processes at once (the slowest sources first, then
+    the largest, so no long compile starts last); the objects in SOURCES order. An object whose
+    preprocessed source and flags were compiled before comes from the object cache (`_cached_object`)."""
     objects = [work / f"{index:02d}-{source.stem}.o" for index, source in enumerate(SOURCES)]
 
     order = sorted(range(len(SOURCES)), key=compile_priority)
 
     def compile_one(index: int) -> None:
-        _run_compiler(cc, compile_command(cc, flags, SOURCES[index], objects[index]))
+        cached = _cached_object(cc, flags, SOURCES[index])
+        if not cached.exists():
+            partial = work / f"{index:02d}-{cached.name}"
+            _run_compiler(cc, compile_command(cc, flags, SOURCES[index], partial))
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(partial, cached)
+        shutil.copyfile(cached, objects[index])
 
     with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="detinf-cc") as pool:
         futures = [pool.submit(compile_one, index) for index in order]
@@ -144,6 +153,24 @@ def _compile_objects(cc: str, flags: Sequence[str], work: Path, jobs: int) -> li
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise error
     return objects
+
+
+def _cached_object(cc: str, flags: Sequence[str], source: Path) -> Path:
+    """Where the object file of `source` compiled with `flags` is kept: named by the sha256 of the source
+    as the preprocessor expands it (headers, -D defines and the ISA's predefined macros included), the
+    flags that act after preprocessing, and the compiler's version. A build differing from another only
+    in a -D that few sources read (the test-only builds) recompiles only those; a changed header
+    recompiles the sources that include it."""
+    compile_flags = [flag for flag in flags if flag not in _LINK_ONLY_FLAGS]
+    expanded = _run_compiler(cc, [cc, *compile_flags, f"-I{_CSRC}", "-E", str(source)])
+    after_preprocessing = [flag for flag in compile_flags if not flag.startswith(("-D", "-U", "-I"))]
+    version = _compiler_version(cc)
+    key = b"\0".join((expanded, "\0".join((*after_preprocessing, version)).encode()))
+    return cache_dir().parent / "objects" / f"{source.stem}-{hashlib.sha256(key).hexdigest()[:20]}.o"
+
+
+def _compiler_version(cc: str) -> str:
+    return subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
 
 
 def compile_priority(index: int) -> tuple[bool, int]:
@@ -163,15 +190,17 @@ def link_command(cc: str, flags: Sequence[str], objects: Sequence[Path], output:
     return [cc, *flags, *map(str, objects), "-o", str(output), "-lm"]
 
 
-def _run_compiler(cc: str, command: list[str]) -> None:
-    """Run one compiler command; NativeBuildError with its first line of output when it fails."""
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+def _run_compiler(cc: str, command: list[str]) -> bytes:
+    """Run one compiler command and return its standard output; NativeBuildError with its first line of
+    errors when it fails."""
+    result = subprocess.run(command, capture_output=True, check=False)
     if result.returncode != 0:
-        first_line = (result.stderr.strip().splitlines() or ["(no output)"])[0]
+        first_line = (result.stderr.decode(errors="replace").strip().splitlines() or ["(no output)"])[0]
         raise NativeBuildError(
             f"building the C kernels with {cc} failed: {first_line}; fix the compiler (or set CC to a "
             "working one), or run with --no-batch-invariant"
         )
+    return result.stdout
 
 
 def isa_flags() -> tuple[str, ...]:

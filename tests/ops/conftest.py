@@ -20,7 +20,8 @@ The package's own builds (-march levels) come from the kernel cache the engine u
 default `~/.cache/deterministic-inference`), where `scripts/setup.sh` built the native one and the engine
 tests' subprocesses (DETINF_KERNEL_MARCH) find the others: the cache is keyed by the sources, the flags
 and the compiler's version, so a cached build is never stale and each is compiled once. Test-only
-builds (-D test hooks, other float flags) go to a directory of the session, never into that cache.
+builds (-D test hooks, other float flags) go to a directory of their own beside that cache (`build_dir`),
+keyed the same way.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from deterministic_inference.ops.native import NativeKernels, load
-from deterministic_inference.ops.native_build import ISA_FLAGS, build
+from deterministic_inference.ops.native_build import ISA_FLAGS, build, cache_dir
 from tests.kernel_builds import Build, build_together
 
 MARCH_LEVELS = ("x86-64-v3", "x86-64")
@@ -39,9 +40,11 @@ TEST_ONLY_FLAGS = ("-DDETINF_TEST_SEPARATE_STEPS", "-ffp-contract=fast")
 
 
 @pytest.fixture(scope="session")
-def build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The session's directory for test-only builds (never the user's cache)."""
-    return tmp_path_factory.mktemp("native-builds")
+def build_dir() -> Path:
+    """The directory of test-only builds: `test-builds` beside the kernel cache, never in it (the engine
+    never loads from here). Keyed like the cache (sources, flags, compiler version), so a build here is
+    never stale and is made once for all runs and for every pytest-xdist worker of a run."""
+    return cache_dir().parent / "test-builds"
 
 
 @pytest.fixture(scope="session")

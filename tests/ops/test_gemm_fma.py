@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deterministic_inference.ops.native import NativeKernels, load
-from deterministic_inference.ops.native_build import build
+from tests.kernel_builds import build_together
 from tests.ops.helpers import HIDDEN, INTER, THREADS, bits, num_threads, row_mismatches
 from tests.ops.test_native_gemm import _wide, documented_order
 
@@ -21,26 +21,40 @@ ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 24, 31, 32, 33)  # around 
 COLUMN_SHAPES = ((16, 64), (48, 33), (80, 130), (130, 2), (200, 65))
 
 
-def _build(build_dir: Path, *defines: str) -> NativeKernels:
-    return load(build((*NATIVE, *defines), build_dir))
+# The test-only builds of this file: the defines gemm.c reads (the FMA path forced, or perturbed).
+FMA_DEFINES = {
+    "fma": ("-DDETINF_TEST_FORCE_FMA_GEMM",),
+    "no-fma": ("-DDETINF_TEST_NO_FMA_GEMM",),
+    "no-ftz": ("-DDETINF_TEST_FORCE_FMA_GEMM", "-DDETINF_TEST_FMA_NO_FTZ"),
+    "even-first": ("-DDETINF_TEST_FORCE_FMA_GEMM", "-DDETINF_TEST_FMA_EVEN_FIRST"),
+}
 
 
 @pytest.fixture(scope="module")
-def fma(build_dir: Path) -> NativeKernels:
-    """The FMA path, also where the default build would take VDPBF16PS (AMD)."""
-    lib = _build(build_dir, "-DDETINF_TEST_FORCE_FMA_GEMM")
+def fma_builds(build_dir: Path) -> dict[str, NativeKernels]:
+    """This file's four test-only builds, compiled together (tests/kernel_builds.py) into the session's
+    directory: the FMA path forced (also where the default build would take VDPBF16PS, on AMD), this CPU's
+    build without it, and the two negative controls."""
+    paths = build_together([((*NATIVE, *defines), build_dir) for defines in FMA_DEFINES.values()])
+    return {name: load(path) for name, path in zip(FMA_DEFINES, paths, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def fma(fma_builds: dict[str, NativeKernels]) -> NativeKernels:
+    """The FMA path; the file skips where the CPU has no AVX-512 (the path is not built there)."""
+    lib = fma_builds["fma"]
     if lib.gemm_bf16_path() != "fma":
         pytest.skip("no AVX-512 here: the FMA path is not built")
     return lib
 
 
 @pytest.fixture(scope="module")
-def others(build_dir: Path) -> dict[str, NativeKernels]:
-    """The other paths: this CPU's build without the FMA path, and the portable (AVX2) build."""
-    return {
-        "no-fma": _build(build_dir, "-DDETINF_TEST_NO_FMA_GEMM"),
-        "portable": load(build(("-march=x86-64-v3",), build_dir)),
-    }
+def others(
+    fma_builds: dict[str, NativeKernels], march_builds: dict[str, NativeKernels]
+) -> dict[str, NativeKernels]:
+    """The other paths: this CPU's build without the FMA path, and the portable (AVX2) build (the package's
+    own -march=x86-64-v3 build, shared with the other kernel tests)."""
+    return {"no-fma": fma_builds["no-fma"], "portable": march_builds["x86-64-v3"]}
 
 
 def _gemm(
@@ -110,17 +124,21 @@ def test_denormal_sums_are_flushed_as_documented(
     assert torch.equal(bits(_gemm(others["no-fma"], x, w)), expected)
 
 
-def test_negative_control_no_flush_to_zero_is_caught(fma: NativeKernels, build_dir: Path) -> None:
+def test_negative_control_no_flush_to_zero_is_caught(
+    fma: NativeKernels, fma_builds: dict[str, NativeKernels]
+) -> None:
     """The comparison above can fail: without flush-to-zero the denormal sums survive."""
-    no_ftz = _build(build_dir, "-DDETINF_TEST_FORCE_FMA_GEMM", "-DDETINF_TEST_FMA_NO_FTZ")
+    no_ftz = fma_builds["no-ftz"]
     x, w = _tiny_sums()
     assert not torch.equal(bits(_gemm(no_ftz, x, w)), bits(documented_order(x, w)))
 
 
-def test_negative_control_the_even_element_first_is_caught(fma: NativeKernels, build_dir: Path) -> None:
+def test_negative_control_the_even_element_first_is_caught(
+    fma: NativeKernels, fma_builds: dict[str, NativeKernels]
+) -> None:
     """The element-wise and build comparisons can fail: the FMA path adding each pair's even element first
     differs from the documented sum and from the default build, and equals the even-first replay."""
-    even_first = _build(build_dir, "-DDETINF_TEST_FORCE_FMA_GEMM", "-DDETINF_TEST_FMA_EVEN_FIRST")
+    even_first = fma_builds["even-first"]
     x, w = _wide((17, 65), 3), _wide((130, 65), 4)
     out = bits(_gemm(even_first, x, w))
     assert not torch.equal(out, bits(documented_order(x, w)))

@@ -240,6 +240,32 @@ def test_source_that_fails_to_compile(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert list(out_dir.rglob("*.so")) == []  # nothing half-built left to be loaded later
 
 
+def test_objects_are_reused_where_a_define_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The object cache is keyed by the preprocessed source: a -D that one source reads gives it a new
+    object and the other its old one; a changed header, or another -march, gives new ones."""
+    monkeypatch.setenv("DETINF_CACHE_DIR", str(tmp_path))
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    (csrc / "shared.h").write_text("static inline int twice(int x) { return 2 * x; }\n")
+    reads = csrc / "reads.c"
+    reads.write_text('#include "shared.h"\n#ifdef DETINF_X\nint f(void) { return twice(1); }\n#endif\n')
+    ignores = csrc / "ignores.c"
+    ignores.write_text('#include "shared.h"\nint g(void) { return twice(2); }\n')
+    monkeypatch.setattr(native_build, "_CSRC", csrc)
+    cc, flags = native_build.compiler(), (*native_build.BASE_FLAGS, "-march=x86-64")
+    defined = (*flags, "-DDETINF_X")
+    objects = native_build._cached_object  # the key is what is under test
+    assert objects(cc, defined, reads) != objects(cc, flags, reads)
+    assert objects(cc, defined, ignores) == objects(cc, flags, ignores)
+    assert objects(cc, (*native_build.BASE_FLAGS, "-march=x86-64-v3"), ignores) != objects(cc, flags, ignores)
+    assert objects(cc, flags, ignores).parent == tmp_path / "objects"
+    before = objects(cc, flags, ignores)
+    (csrc / "shared.h").write_text("static inline int twice(int x) { return x + x; }\n")
+    assert objects(cc, flags, ignores) != before
+
+
 def _valid_inputs() -> dict[str, Any]:
     """Arguments of NativeKernels.attention that pass every check (2 rows, 4 heads, 2 KV heads, D 16)."""
     k_cache, v_cache = new_kv_cache(2, 8, 2, 16, torch.float32)

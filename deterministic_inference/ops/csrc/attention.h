@@ -17,8 +17,16 @@
 /* Most rows (query token x query head of one KV head) that share one loaded key or value vector. With
    12 the load and bf16 widening of each vector are spread over 12 fused multiply-adds and the kernels
    run at 97% of this machine's FMA peak (Zen 4: 3.5 of 3.6 G 16-lane FMAs/s per core, data in L1);
-   from 16 rows GCC no longer keeps every accumulator in a register and the rate falls to ~2 G/s. */
+   from 16 rows GCC no longer keeps every accumulator in a register and the rate falls to ~2 G/s.
+   Without AVX-512 a 16-float vector takes two AVX2 registers (of 16) or four SSE ones, so 12 rows'
+   accumulators spill whatever the count; 6 rows keep AVX2's in registers, and halve the tile cases the
+   compiler specialises (attention_tile.c compiled for minutes at -march=x86-64-v3 and x86-64: see
+   bench/RESULTS.md, issue 37). Rows never share arithmetic, so the count changes speed only. */
+#if defined(__AVX512F__)
 #define MAX_SHARED_ROWS 12
+#else
+#define MAX_SHARED_ROWS 6
+#endif
 /* Most query tokens in one tile (rows of one sequence computed together). */
 #define MAX_TILE_TOKENS 8
 

@@ -145,14 +145,25 @@ INLINE void values_wide(int n, int bf16, const float *p, const void *v_cache, in
         if (bf16) values_wide(N, 1, p, v_cache, offset, first, end, dim, acc); \
         else values_wide(N, 0, p, v_cache, offset, first, end, dim, acc);      \
         break;
-#define CASES_1_TO_12(CASE) \
-    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
+/* One case per row count 1..MAX_SHARED_ROWS (12 or 6, attention.h), and 1..MAX_SHARED_ROWS / 2 for the
+   two-block scores. */
+#define CASES_1_TO_3(CASE) CASE(1) CASE(2) CASE(3)
+#define CASES_1_TO_6(CASE) CASES_1_TO_3(CASE) CASE(4) CASE(5) CASE(6)
+#if MAX_SHARED_ROWS == 12
+#define CASES_ALL_ROWS(CASE) CASES_1_TO_6(CASE) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
+#define CASES_HALF_ROWS(CASE) CASES_1_TO_6(CASE)
+#elif MAX_SHARED_ROWS == 6
+#define CASES_ALL_ROWS(CASE) CASES_1_TO_6(CASE)
+#define CASES_HALF_ROWS(CASE) CASES_1_TO_3(CASE)
+#else
+#error "MAX_SHARED_ROWS must be 12 or 6"
+#endif
 
 __attribute__((visibility("hidden"))) void detinf_rows_scores16(int n, const float *qt, const void *keys_t,
                                                                 int64_t offset, int64_t dim, int bf16, float scale,
                                                                 float *scores) {
     switch (n) {
-        CASES_1_TO_12(SCORES_CASE)
+        CASES_ALL_ROWS(SCORES_CASE)
     default: break;
     }
 }
@@ -162,7 +173,7 @@ __attribute__((visibility("hidden"))) void detinf_rows_scores16x2(int n, const f
                                                                   int64_t dim, int bf16, float scale, float *s0,
                                                                   float *s1) {
     switch (n) {
-        SCORES2_CASE(1) SCORES2_CASE(2) SCORES2_CASE(3) SCORES2_CASE(4) SCORES2_CASE(5) SCORES2_CASE(6)
+        CASES_HALF_ROWS(SCORES2_CASE)
     default: break;
     }
 }
@@ -171,7 +182,7 @@ __attribute__((visibility("hidden"))) void detinf_rows_values16(int n, const flo
                                                                 int64_t offset, int64_t first, int64_t end,
                                                                 int64_t dim, int bf16, float *acc) {
     switch (n) {
-        CASES_1_TO_12(VALUES_CASE)
+        CASES_ALL_ROWS(VALUES_CASE)
     default: break;
     }
 }

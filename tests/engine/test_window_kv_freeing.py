@@ -213,3 +213,17 @@ def test_a_block_released_inside_the_window_is_never_read(
     engine.kv.sliding_window = 8
     with pytest.raises(ValueError, match="out of range|was released"):
         engine.generate([long_prompt(mistral)], SamplingParams(max_tokens=4, temperature=0.0))
+
+
+def test_without_prefix_caching_released_blocks_are_reused_first(mistral: LoadedModel) -> None:
+    """Released blocks that are not cached go straight back to the free heap (lowest id first), so the
+    sequence keeps reusing the same few blocks: the resident KV pages follow the window too. (With the
+    prefix cache on, released blocks stay cached and evictable, as a finished request's do.)"""
+    engine = Engine(
+        EngineConfig(selfcheck=False, max_num_batched_tokens=16, enable_prefix_caching=False),
+        loaded=mistral,
+        record_trace=True,
+    )
+    engine.generate([long_prompt(mistral)], LONG)
+    highest = max(max(chunk.block_ids) for plan in engine.trace for chunk in plan.chunks)
+    assert highest < engine.kv.window_block_limit(16)

@@ -46,6 +46,13 @@ def mistral(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
+def phi3_q8(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    directory = tmp_path_factory.mktemp("phi3")
+    tiny = build_arch_hf(directory / "hf", "phi3")
+    return load_model(str(write_arch_gguf(tiny, directory / "tiny-phi3.Q8_0.gguf", quant="Q8_0")))
+
+
+@pytest.fixture(scope="module")
 def gemma3(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     directory = tmp_path_factory.mktemp("gemma3")
     tiny = build_arch_hf(directory / "hf", "gemma3")
@@ -95,6 +102,15 @@ def test_a_long_sequence_holds_only_its_window(mistral: LoadedModel, budget: int
     assert freed_peak <= limit and freed_held <= limit, (freed_peak, freed_held, limit)
     assert kept_peak == kept_held == -(-(total - 1) // BLOCK)  # negative control: the whole sequence
     assert freed == kept  # same tokens and logprob bits
+
+
+def test_a_quantized_gguf_in_bf16_holds_only_its_window(phi3_q8: LoadedModel) -> None:
+    """Phi-3 from a Q8_0 GGUF file, bf16 KV cache: the same bound and the same bits as without freeing."""
+    assert phi3_q8.spec.all_layers_window == WINDOW
+    freed, peak, held = run_long(phi3_q8, True, 16, dtype="bfloat16")
+    kept, kept_peak, _ = run_long(phi3_q8, False, 16, dtype="bfloat16")
+    assert peak <= 4 and held <= 4 and kept_peak > 4 * 4
+    assert freed == kept
 
 
 def test_a_pool_smaller_than_the_sequence_serves_it(mistral: LoadedModel) -> None:

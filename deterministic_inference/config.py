@@ -40,6 +40,9 @@ class EngineConfig:
     max_num_seqs: int = 64  # most requests in one step
     max_num_batched_tokens: int = 512  # token budget per step; longer prompts are chunked
     enable_prefix_caching: bool = True
+    # all-windowed models: release KV blocks behind every layer's sliding window (engine/kv_cache.py).
+    # Not numerics: memory only, never a bit (False: tests' negative controls)
+    free_kv_outside_window: bool = True
     threads: int | None = None  # torch intra-op threads; None = leave torch's default
     seed: int = 0  # seed for requests that give none, so every request is reproducible
     selfcheck: bool = True  # probe invariance at startup before serving in invariant mode

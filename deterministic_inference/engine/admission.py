@@ -43,10 +43,12 @@ def check_fits(
     num_blocks: int,
     prompt_param: str = "prompt",
     max_tokens_param: str = "max_tokens",
+    window_blocks: int = 0,
 ) -> None:
     """The prompt leaves room to generate within max_model_len, and a sequence running alone always fits
     the KV pool (so preemption can never loop forever). The last generated token's KV is never written,
-    hence the - 1."""
+    hence the - 1. `window_blocks` > 0: the most blocks a sequence holds at once when the pool releases
+    those behind an all-layer sliding window (`KVCacheManager.window_block_limit`), a cap on its need."""
     if num_prompt_tokens >= max_model_len:
         raise InvalidRequestError(
             f"{prompt_param}: {num_prompt_tokens} tokens leave no room to generate within the context of "
@@ -54,7 +56,10 @@ def check_fits(
             param=prompt_param,
         )
     longest = min(num_prompt_tokens + max_tokens - 1, max_model_len)
-    if -(-longest // block_size) > num_blocks:
+    needed = -(-longest // block_size)
+    if window_blocks > 0:
+        needed = min(needed, window_blocks)
+    if needed > num_blocks:
         raise InvalidRequestError(
             f"{max_tokens_param}: prompt + max_tokens ({longest} tokens of KV) exceed the KV pool "
             f"({num_blocks} blocks of {block_size}); lower max_tokens or shorten the prompt, or raise "
@@ -71,6 +76,7 @@ class AdmissionLimits:
     max_model_len: int  # prompt + generated tokens
     kv_block_size: int
     num_kv_blocks: int
+    window_blocks: int = 0  # most blocks one sequence holds under window freeing (0: no such cap)
 
     def check(
         self,
@@ -107,5 +113,6 @@ class AdmissionLimits:
             self.num_kv_blocks,
             prompt_param,
             max_tokens_param,
+            self.window_blocks,
         )
         return ids

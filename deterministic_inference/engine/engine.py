@@ -128,8 +128,13 @@ class Engine:
         and the admission limits requests are checked against."""
         config = self.config
         num_blocks = choose_num_kv_blocks(config, self.spec, self.max_model_len, self.dtype_name)
+        window = self.spec.all_layers_window if config.free_kv_outside_window else 0
         self.kv = KVCacheManager(
-            num_blocks, config.kv_block_size, config.enable_prefix_caching, self.system_fingerprint
+            num_blocks,
+            config.kv_block_size,
+            config.enable_prefix_caching,
+            self.system_fingerprint,
+            sliding_window=window,
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -146,7 +151,11 @@ class Engine:
             )
         self.runner = ModelRunner(self.model, num_blocks, config.kv_block_size, self.faults.sample_fn())
         self.limits = AdmissionLimits(
-            self.spec.vocab_size, self.max_model_len, config.kv_block_size, num_blocks
+            self.spec.vocab_size,
+            self.max_model_len,
+            config.kv_block_size,
+            num_blocks,
+            self.kv.window_block_limit(config.max_num_batched_tokens),
         )
 
     @property

@@ -15,6 +15,21 @@ can never match. A new request takes the longest chain of cached blocks matching
 recomputed so its logits exist. Hits are bitwise identical to misses because attention reads the same
 cached K/V values in the same block order either way.
 
+Sliding windows (`sliding_window` > 0: EVERY layer of the model attends over a window of that many keys;
+a query at position q sees keys q - W + 1 .. q). A block whose last position p satisfies p < q_min - W + 1,
+with q_min the first position the sequence computes next (a chunk's first token: every later query sees
+even less), is needed by no future query, so `allocate` releases it before taking new blocks: memory follows
+the window, not the sequence, and a sequence holds at most `window_block_limit` blocks. The block table
+keeps its length (token t still lives in block_ids[t // block_size]); a released entry becomes FREED_BLOCK,
+which the attention never reads (the kernel starts at the block holding the window's first key and refuses a
+negative id there; the write path and the plain SDPA path check too). Releasing is `free` for one block:
+a block registered in the prefix cache stays cached and evictable for other requests; a block shared with
+another request only loses this request's reference. A prefix hit of a later request still matches by the
+chained hashes from block 0 (the early blocks must still be cached), and the hit's blocks before its window
+are not taken at all (their entries start as FREED_BLOCK). Bits cannot change: the kept blocks hold the same
+K/V, and no query reads a released one. Rollback (`release_tail`) and preemption (`free`, then recompute
+from scratch) only ever meet kept blocks.
+
 Block states and allocation order (pinned by tests/engine/test_kv_cache.py):
   * in use: ref count > 0 (shared blocks have ref > 1);
   * cached and unreferenced: ref 0 with a hash: still reusable by a prefix hit, and an eviction candidate;
@@ -39,6 +54,7 @@ from deterministic_inference.engine.request import Request
 from deterministic_inference.errors import ConfigError
 
 ROOT_HASH = hashlib.sha256(b"detinf-root").digest()
+FREED_BLOCK = -1  # a block-table entry released because no future query's window reaches it
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int], extra: str) -> bytes:
@@ -76,7 +92,12 @@ class KVCacheManager:
     allocation and eviction order."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, hash_extra: str
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        hash_extra: str,
+        sliding_window: int = 0,
     ) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -84,6 +105,8 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # every layer's window in keys: blocks before it are released (0: keep every block to the end)
+        self.sliding_window = sliding_window
         self.hash_extra = hash_extra
         self.stats = PrefixCacheStats()
         self._ref = [0] * num_blocks
@@ -117,6 +140,18 @@ class KVCacheManager:
         """The hash a block is cached under, None when it is not in the prefix cache."""
         return self._block_hash[block_id]
 
+    def num_held_blocks(self, request: Request) -> int:
+        """Blocks `request` holds now (its block table without the entries released behind its window)."""
+        return sum(1 for block in request.block_ids if block != FREED_BLOCK)
+
+    def window_block_limit(self, chunk_tokens: int) -> int:
+        """Most blocks a sequence ever holds when its chunks have at most `chunk_tokens` tokens: its
+        computed keys in the window of the chunk's first query (W - 1) plus the chunk, over blocks that
+        may straddle both ends: ceil((W - 1 + chunk) / block) + 1. 0 without window freeing (no bound)."""
+        if self.sliding_window <= 0:
+            return 0
+        return -(-(self.sliding_window - 1 + chunk_tokens) // self.block_size) + 1
+
     def free_block_ids(self) -> list[int]:
         """Truly free block ids, ascending (for tests and the trace)."""
         return sorted(self._free)
@@ -131,19 +166,26 @@ class KVCacheManager:
         """Make `request.block_ids` cover num_computed_tokens + num_new_tokens tokens.
 
         On the first allocation (empty block table: new or preempted request) the cached prefix blocks
-        are taken (ref +1) and num_computed_tokens / num_cached_tokens set to the hit length. Returns
-        False, changing nothing, when the pool has too few blocks.
+        are taken (ref +1) and num_computed_tokens / num_cached_tokens set to the hit length. With a
+        sliding window, the blocks before the window of the first new token are released (or, for hits,
+        not taken) first. Returns False, changing nothing, when the pool has too few blocks.
         """
         first = not request.block_ids
         hits = self._lookup(request) if first else []
         computed = len(hits) * self.block_size if first else request.num_computed_tokens
+        expired = self._expired_blocks(computed)
         needed = -(-(computed + num_new_tokens) // self.block_size)
         num_new_blocks = max(0, needed - len(request.block_ids) - len(hits))
-        idle_hits = sum(1 for block in hits if self._ref[block] == 0)
-        if num_new_blocks > self.num_free_blocks - idle_hits:
+        idle_hits = sum(1 for block in hits[expired:] if self._ref[block] == 0)
+        released = [] if first else self._held_before(request, expired)
+        returning = sum(1 for index in released if self._ref[request.block_ids[index]] == 1)
+        if num_new_blocks > self.num_free_blocks - idle_hits + returning:
             return False
         if first:
-            self._take_hits(request, hits)
+            self._take_hits(request, hits, expired)
+        for index in reversed(released):  # last block first, as `free` does
+            self._release(request.block_ids[index])
+            request.block_ids[index] = FREED_BLOCK
         for _ in range(num_new_blocks):
             request.block_ids.append(self._take_block())
         return True
@@ -160,7 +202,7 @@ class KVCacheManager:
         hashes = self._hashes(request, num_full)
         for index in range(start, num_full):
             block = request.block_ids[index]
-            if self._block_hash[block] is None and hashes[index] not in self._cached:
+            if block != FREED_BLOCK and self._block_hash[block] is None and hashes[index] not in self._cached:
                 self._block_hash[block] = hashes[index]
                 self._cached[hashes[index]] = block
         self._num_committed[request.request_id] = num_full
@@ -169,16 +211,8 @@ class KVCacheManager:
         """Release the request's blocks, last block first (see the eviction order in the module
         docstring); unreferenced cached blocks stay reusable, the others return to the free heap."""
         for block in reversed(request.block_ids):
-            self._ref[block] -= 1
-            if self._ref[block] > 0:
-                continue
-            if self._block_hash[block] is None:
-                heapq.heappush(self._free, block)
-            else:
-                self._release_time[block] = self._clock
-                heapq.heappush(self._evictable, (self._clock, block))
-                self._num_evictable += 1
-            self._clock += 1
+            if block != FREED_BLOCK:
+                self._release(block)
         request.block_ids = []
         self._num_committed.pop(request.request_id, None)
 
@@ -189,6 +223,8 @@ class KVCacheManager:
         keep = -(-num_tokens // self.block_size)
         while len(request.block_ids) > keep:
             block = request.block_ids.pop()
+            if block == FREED_BLOCK:
+                raise RuntimeError("KV rollback reached a block released behind the sliding window")
             self._ref[block] -= 1
             if self._ref[block] == 0:
                 if self._block_hash[block] is not None:
@@ -237,18 +273,47 @@ class KVCacheManager:
                 hashes.append(parent)
         return hashes[:count]
 
-    def _take_hits(self, request: Request, hits: list[int]) -> None:
-        for block in hits:
+    def _take_hits(self, request: Request, hits: list[int], expired: int) -> None:
+        """Take the hit blocks from `expired` on (ref +1); the first `expired` lie wholly before the
+        window of the first token to compute, so no query of this request reads them: not taken."""
+        for block in hits[expired:]:
             if self._ref[block] == 0:
                 self._num_evictable -= 1  # its heap entry becomes stale (checked on pop)
             self._ref[block] += 1
-        request.block_ids = list(hits)
+        request.block_ids = [FREED_BLOCK] * expired + hits[expired:]
         request.num_computed_tokens = len(hits) * self.block_size
         request.num_cached_tokens = request.num_computed_tokens
         self._num_committed[request.request_id] = len(hits)
         self.stats.queries += 1
         self.stats.queried_tokens += request.num_tokens
         self.stats.hit_tokens += request.num_cached_tokens
+
+    def _expired_blocks(self, first_query: int) -> int:
+        """How many leading blocks lie wholly before the window of the query at `first_query` (and of
+        every later one): block b's last key (b + 1) * size - 1 < first_query - W + 1. 0 without window
+        freeing."""
+        if self.sliding_window <= 0:
+            return 0
+        return max(0, first_query - self.sliding_window + 1) // self.block_size
+
+    def _held_before(self, request: Request, expired: int) -> list[int]:
+        """Indices of the request's first `expired` block-table entries it still holds."""
+        count = min(expired, len(request.block_ids))
+        return [index for index in range(count) if request.block_ids[index] != FREED_BLOCK]
+
+    def _release(self, block: int) -> None:
+        """Drop one reference; at ref 0 a cached block becomes evictable (at the next logical time),
+        an uncached one truly free."""
+        self._ref[block] -= 1
+        if self._ref[block] > 0:
+            return
+        if self._block_hash[block] is None:
+            heapq.heappush(self._free, block)
+        else:
+            self._release_time[block] = self._clock
+            heapq.heappush(self._evictable, (self._clock, block))
+            self._num_evictable += 1
+        self._clock += 1
 
     def _take_block(self) -> int:
         """A block for new KV: lowest truly free id, else evict the least recently released cached one."""

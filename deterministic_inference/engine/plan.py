@@ -18,6 +18,7 @@ class ScheduledChunk:
     token_ids: tuple[int, ...]  # tokens to compute now: a prompt chunk, or the last sampled token
     start_position: int  # position of token_ids[0]; equals the tokens already in the KV cache
     block_ids: tuple[int, ...]  # the sequence's KV blocks, covering start_position + len(token_ids) tokens
+    # (an entry of -1, kv_cache.FREED_BLOCK: released behind an all-layer sliding window, never read)
     sample: bool  # True when the chunk reaches the end of the known tokens: sample from its last row
     all_logits: bool  # True when every row's logits are needed (prompt logprobs), else only the last row
     num_cached_tokens: int = 0  # prompt tokens this sequence took from the prefix cache (for the trace)

@@ -121,6 +121,7 @@ class Scheduler:
             self.max_model_len,
             self.kv.block_size,
             self.kv.num_blocks,
+            window_blocks=self.kv.window_block_limit(self.max_num_batched_tokens),
         )
         request.arrival = self._next_arrival
         self._next_arrival += 1

@@ -95,6 +95,13 @@ class ModelSpec:
         """The sliding window of layer `index` in keys (0: the layer sees every earlier key)."""
         return self.sliding_window if self.is_local_layer(index) else 0
 
+    @property
+    def all_layers_window(self) -> int:
+        """The sliding window when EVERY layer has one (Mistral, Phi-3), else 0: a layer that sees every
+        earlier key (Gemma's global layers) needs every KV block to the sequence's end."""
+        windows = {self.layer_window(index) for index in range(self.num_layers)}
+        return self.sliding_window if windows == {self.sliding_window} else 0
+
     def is_local_layer(self, index: int) -> bool:
         """Whether layer `index` is one of the windowed ("sliding_attention") kind, which Gemma also
         rotates with its local rope base; () window_layers: every layer when there is a window."""

@@ -34,7 +34,7 @@ class SequenceRows:
     first_row: int
     num_rows: int
     start_position: int  # position of the first query token
-    block_table: tuple[int, ...]  # cache blocks of keys 0.. in order
+    block_table: tuple[int, ...]  # cache blocks of keys 0.. in order (negative: released, never read)
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,11 @@ class AttentionMetadata:
                 raise ValueError(
                     f"attention metadata: {count} tokens from position {start} need {needed} blocks of "
                     f"{block_size}, the table has {len(table)}"
+                )
+            if min(table[start // block_size : needed]) < 0:
+                raise ValueError(
+                    f"attention metadata: a block the tokens from position {start} are written to was "
+                    "released (a negative id)"
                 )
             positions = range(start, start + count)
             write_blocks.extend(table[p // block_size] for p in positions)
@@ -187,13 +192,22 @@ def _sdpa_sequence(
     """Plain SDPA of one sequence's query rows over its cached keys (batch_invariant=False); with a soft
     cap, the same attention written out in torch ops (SDPA cannot cap its scores)."""
     end = rows.start_position + rows.num_rows
-    keys, values = sequence_kv(k_cache, v_cache, rows.block_table, end)  # [KVH, L, D]
+    block = k_cache.shape[3]
+    first_block = max(0, rows.start_position - window + 1) // block if window > 0 else 0
+    base = first_block * block  # the first key read: blocks before the window may be released
+    table = rows.block_table[first_block:]
+    if min(table) < 0:
+        raise ValueError(
+            f"attention: a block inside the window of position {rows.start_position} was released"
+        )
+    keys, values = sequence_kv(k_cache, v_cache, table, end - base)  # [KVH, L, D], key base + j at j
     token_rows = slice(rows.first_row, rows.first_row + rows.num_rows)
     queries = q[token_rows].float().transpose(0, 1)  # [H, n, D]
     query_pos = torch.arange(rows.start_position, end).view(-1, 1)
-    mask = torch.arange(end).view(1, end) <= query_pos  # [n, L]
+    key_pos = torch.arange(base, end).view(1, end - base)
+    mask = key_pos <= query_pos  # [n, L]
     if window > 0:
-        mask &= torch.arange(end).view(1, end) > query_pos - window
+        mask &= key_pos > query_pos - window
     if softcap:
         group = queries.shape[0] // keys.shape[0]
         keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)  # [H, L, D]

@@ -12,7 +12,7 @@ round-trips the float32 bits exactly):
 - ``captures/activations.safetensors`` (on request): ``"<sequence_id>/layer<NN>"`` -> [positions, hidden].
 - ``captures/engine_trace.json``: ``{"steps": [{"step_id", "num_batched_tokens", "preempted_ids",
   "chunks": [{"request_id", "num_tokens", "start_position", "num_cached_tokens", "sample",
-  "all_logits", "block_ids"}]}]}``.
+  "all_logits", "block_ids"}]}]}``; a block id of -1 was released behind an all-layer sliding window.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import random
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -81,9 +82,12 @@ def run_case(
     case: Case,
     batch_invariant: bool,
     dtype: str = "float32",
+    inspect: Callable[[Engine], None] | None = None,
+    **overrides: Any,
 ) -> tuple[Result, int]:
-    """The target's result inside the case's batch, and how many preemptions happened."""
-    config = EngineConfig(
+    """The target's result inside the case's batch, and how many preemptions happened. `overrides` are
+    further EngineConfig fields; `inspect` sees the engine (with its trace) after the run."""
+    settings: dict[str, Any] = dict(
         dtype=dtype,
         batch_invariant=batch_invariant,
         max_num_batched_tokens=case.budget,
@@ -92,6 +96,7 @@ def run_case(
         enable_prefix_caching=False,
         selfcheck=False,
     )
+    config = EngineConfig(**{**settings, **overrides})
     engine = Engine(config, loaded=loaded, record_trace=True)
     others = random_prompts(case.others, loaded.spec.vocab_size, seed=case.others * 31 + case.budget)
     index = {"first": 0, "last": len(others), "middle": len(others) // 2}[case.position]
@@ -101,6 +106,8 @@ def run_case(
     params_list[index] = params
     outputs = engine.generate(prompts, params_list)
     preemptions = sum(len(plan.preempted_ids) for plan in engine.trace)
+    if inspect is not None:
+        inspect(engine)
     return result_of(outputs[index]), preemptions
 
 

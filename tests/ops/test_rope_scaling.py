@@ -3,7 +3,13 @@ portable powers against the kernels' inverse frequencies (bit for bit), and Long
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
+import platform
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -130,3 +136,52 @@ def test_attention_factor_multiplies_both_tables(kernels: NativeKernels) -> None
     assert torch.equal((cos * factor).view(torch.int32), table.cos.view(torch.int32))
     assert torch.equal((sin * factor).view(torch.int32), table.sin.view(torch.int32))
     assert not torch.equal(cos.view(torch.int32), table.cos.view(torch.int32))
+
+
+_TABLES_SCRIPT = """
+import hashlib, json, sys
+import torch
+from deterministic_inference.ops.native import native_kernels
+from deterministic_inference.ops.rope import RotaryTable
+from tests.ops.test_rope_scaling import CASES, HEAD_DIM, THETA
+
+kernels = native_kernels() if sys.argv[1] == "portable" else None
+digests = {"capability": torch.backends.cpu.get_cpu_capability()}
+for name, (_, scaling) in CASES.items():
+    table = RotaryTable(HEAD_DIM, THETA, 8192, scaling, kernels=kernels)
+    table.cover(torch.tensor([8191]))
+    data = table.cos.numpy().tobytes() + table.sin.numpy().tobytes()
+    digests[name] = hashlib.sha256(data).hexdigest()
+print(json.dumps(digests))
+"""
+
+
+def table_digests(path: str, capability: str) -> dict[str, str]:
+    """sha256 of every case's cos and sin tables (8192 positions) in a process whose torch dispatches to
+    `capability` (read once at start-up: hence a process each)."""
+    environ = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    command = [sys.executable, "-c", _TABLES_SCRIPT, path]
+    done = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    digests: dict[str, str] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert digests.pop("capability") == capability.upper()
+    return digests
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64 ISA switches")
+def test_scaled_tables_same_bits_whatever_torch_dispatches_to(kernels: NativeKernels) -> None:
+    """The scaled portable tables (powers, logs, cos and sin in our kernels; the scaling's elementwise
+    steps in torch) are the same bits with torch's AVX2 and scalar kernels. Control: the digest sees a
+    one-ulp change of one frequency (torch's own tables happen to agree across these ISAs here, so they
+    cannot serve as the control)."""
+    assert table_digests("portable", "avx2") == table_digests("portable", "default")
+    inv_freq, _ = inverse_frequencies(HEAD_DIM, THETA, CASES["yarn"][1], kernels, 8192)
+    nudged = inv_freq.clone()
+    nudged[5] = torch.nextafter(nudged[5], torch.tensor(1.0))
+    digests = {
+        hashlib.sha256(
+            b"".join(t.numpy().tobytes() for t in portable.rotary_tables(kernels, f, 8192))
+        ).hexdigest()
+        for f in (inv_freq, nudged)
+    }
+    assert len(digests) == 2

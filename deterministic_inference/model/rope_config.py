@@ -128,11 +128,10 @@ def _gguf_yarn(path: Path, meta: dict[str, Any], arch: str, factor: float, origi
         ("yarn_attn_factor", (1.0,)),
         ("yarn_ext_factor", (-1.0, 1.0)),
     ):
-        value = meta.get(key + name)
-        if value is not None and float(value) not in neutral:
+        value = metadata_float(meta, key + name, neutral[0])
+        if value not in neutral:
             raise ModelLoadError(
-                f"{path}: {key}{name} {float(value)} is not supported (YaRN with its default attention "
-                "factor only)"
+                f"{path}: {key}{name} {value} is not supported (YaRN with its default attention factor only)"
             )
     context = int(meta.get(f"{arch}.context_length", 0))
     return RopeScaling(

@@ -209,7 +209,7 @@ def test_gguf_refusals(tmp_path: Path) -> None:
                 yarn_keys(writer),
                 writer.add_float32("qwen2.rope.scaling.yarn_log_multiplier", 0.1),
             ),
-            "yarn_log_multiplier 0.1",
+            "yarn_log_multiplier 0.1 is not supported",
         ),
         "freqs-and-type": (
             lambda writer: (

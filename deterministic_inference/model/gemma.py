@@ -109,9 +109,8 @@ def hf_gemma_fields(config_path: Path, config: dict[str, Any], arch: str) -> dic
     theta = float(
         full.get("rope_theta", config.get("rope_theta", 1_000_000.0 if arch == "gemma3" else 10_000.0))
     )
-    local_theta = (
-        float(local.get("rope_theta", config.get("rope_local_base_freq", 10_000.0))) if local else 0.0
-    )
+    # a legacy Gemma 3 config.json (the Hub's) gives the local base as rope_local_base_freq
+    local_theta = float(local.get("rope_theta", config.get("rope_local_base_freq", 10_000.0)))
     return {
         "rope_theta": theta,
         "rope_scaling": hf_rope_scaling(config_path, config, full, int(config.get("head_dim") or 256)),

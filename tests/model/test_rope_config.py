@@ -27,6 +27,7 @@ from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.errors import ModelLoadError
 from deterministic_inference.model.llama import DecoderModel, Numerics
 from deterministic_inference.model.loader import load_model
+from deterministic_inference.model.spec import ROPE_SCALING_TYPES, RopeScaling
 from tests.model.test_llama_numerics import prefill_logits
 from tests.rope_models import (
     ORIGINAL,
@@ -227,3 +228,29 @@ def test_gguf_refusals(tmp_path: Path) -> None:
         path = write_scaled_gguf(tiny, "yarn", tmp_path / f"{name}.gguf", extra=extra)
         with pytest.raises(ModelLoadError, match=message):
             load_model(str(path))
+
+
+def test_gemma3_legacy_config_scales_the_global_layers_only(tmp_path: Path) -> None:
+    """The Hub's Gemma 3 4B+ config.json: rope_scaling (linear 8) with rope_theta and rope_local_base_freq
+    at the top level, read as transformers reads it (the global layers scaled, the local base kept)."""
+    tiny = build_scaled_hf(tmp_path / "g", "gemma3-linear")
+    config = json.loads((tiny.path / "config.json").read_text())
+    config.pop("rope_parameters")
+    config.update(
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_theta=1e6, rope_local_base_freq=1e4
+    )
+    legacy = _edit(tmp_path / "legacy", tiny.path)
+    (legacy / "config.json").write_text(json.dumps(config))
+    spec = load_model(str(legacy)).spec
+    assert spec == load_model(str(tiny.path)).spec
+    assert (spec.rope_theta, spec.rope_local_theta, spec.rope_scaling) == (
+        1e6,
+        1e4,
+        RopeScaling("linear", 8.0),
+    )
+
+
+def test_the_architecture_page_lists_every_scaling_type() -> None:
+    page = (Path(__file__).parents[2] / "docs" / "architecture.md").read_text()
+    for kind in ROPE_SCALING_TYPES:
+        assert f"| `{kind}`" in page, kind

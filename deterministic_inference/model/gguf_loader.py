@@ -30,7 +30,7 @@ from deterministic_inference.model.moe_loading import (
     gguf_moe_name,
     split_experts,
 )
-from deterministic_inference.model.rope_config import GGUF_ROPE_TENSORS, gguf_rope_scaling
+from deterministic_inference.model.rope_config import GGUF_ROPE_TENSORS, gguf_rope_scaling, scaled_context
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.model.tokenizer import Tokenizer
 from deterministic_inference.ops.quant import QuantizedWeight, UnsupportedWeightFormat, block_format
@@ -211,8 +211,8 @@ def _spec(
             f"{path}: {arch}.rope.dimension_count {rotary} != head dim {head_dim}: "
             "partial rotary is not supported"
         )
-    context = _int(path, meta, f"{arch}.context_length")
     scaling = gguf_rope_scaling(path, meta, arch, tensors, head_dim)
+    context = scaled_context(_int(path, meta, f"{arch}.context_length"), scaling)
     window = _int(path, meta, f"{arch}.attention.sliding_window", 0)
     moe = gguf_moe_fields(path, meta, architecture, arch, tensors)
     layers = _int(path, meta, f"{arch}.block_count")

@@ -12,7 +12,7 @@ import torch
 from deterministic_inference.errors import ModelLoadError, UnsupportedArchitectureError
 from deterministic_inference.model.gemma import gemma_window_layers, hf_gemma_fields, plus_one_norms
 from deterministic_inference.model.moe_loading import hf_moe_fields, hf_moe_weights
-from deterministic_inference.model.rope_config import hf_rope_scaling
+from deterministic_inference.model.rope_config import hf_rope_scaling, scaled_context
 from deterministic_inference.model.spec import (
     GEMMA_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
@@ -169,15 +169,17 @@ def _spec(
         max_positions = int(_field(config_path, config, "max_position_embeddings"))
         layers = int(_field(config_path, config, "num_hidden_layers"))
         head_dim = int(config.get("head_dim") or hidden // heads)
-        window, window_layers = _sliding_window(config_path, config, layers, max_positions)
         gemma: dict[str, Any] = {}
         if arch in GEMMA_ARCHITECTURES:
             gemma = hf_gemma_fields(config_path, config, arch)
-            window_layers = window_layers or gemma_window_layers(arch, layers)
             theta, scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
         else:
             theta, scaling = _rope(config_path, config, head_dim)
             _check_variant(config_path, config)
+        max_positions = scaled_context(max_positions, scaling)
+        window, window_layers = _sliding_window(config_path, config, layers, max_positions)
+        if arch in GEMMA_ARCHITECTURES:
+            window_layers = window_layers or gemma_window_layers(arch, layers)
         return ModelSpec(
             architecture=arch,
             vocab_size=int(_field(config_path, config, "vocab_size")),

@@ -52,6 +52,16 @@ def hf_rope_scaling(
     return scaling
 
 
+def scaled_context(max_positions: int, scaling: RopeScaling | None) -> int:
+    """The context a model may be served at: a YaRN file's max_position_embeddings (context_length) is
+    its pre-training context (Qwen2.5: 32768, with factor 4 to reach 131072), so YaRN extends it to
+    original_max_position_embeddings * factor, as vLLM derives it; every other type's files already state
+    their extended context (Llama 3.1, Phi-3 128k, Gemma 3: 131072)."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return max_positions
+    return max(max_positions, int(scaling.original_max_position_embeddings * scaling.factor))
+
+
 def _hf_scaling(kind: str, rope: Mapping[str, Any], original: int, max_positions: int) -> RopeScaling:
     if kind == "linear":
         return RopeScaling("linear", factor=float(rope["factor"]))

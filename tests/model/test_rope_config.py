@@ -254,3 +254,13 @@ def test_the_architecture_page_lists_every_scaling_type() -> None:
     page = (Path(__file__).parents[2] / "docs" / "architecture.md").read_text()
     for kind in ROPE_SCALING_TYPES:
         assert f"| `{kind}`" in page, kind
+
+
+def test_yarn_extends_the_servable_context(tmp_path: Path) -> None:
+    """Qwen2.5's files keep max_position_embeddings at the pre-training context (32768) and reach 131072
+    through YaRN factor 4: the spec's context is original * factor, so --max-model-len can use it."""
+    tiny = build_scaled_hf(tmp_path / "hf", "yarn")  # factor 8, original ORIGINAL
+    path = _edit(tmp_path / "short", tiny.path, max_position_embeddings=ORIGINAL)
+    assert load_model(str(path)).spec.max_position_embeddings == 8 * ORIGINAL
+    plain = _edit(tmp_path / "plain", tiny.path, max_position_embeddings=ORIGINAL, rope_parameters=None)
+    assert load_model(str(plain)).spec.max_position_embeddings == ORIGINAL

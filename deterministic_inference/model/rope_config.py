@@ -185,10 +185,17 @@ def _factor_tensor(path: Path, tensors: Mapping[str, Any], name: str, head_dim: 
         raise ModelLoadError(
             f"{path}: tensor {name} must be a float vector of {head_dim // 2} (head_dim / 2), got {shape}"
         )
-    return tuple(float(v) for v in tensor.to(torch.float32).tolist())
+    values = tuple(float(v) for v in tensor.to(torch.float32).tolist())
+    if not all(0 < v < float("inf") for v in values):
+        raise ModelLoadError(f"{path}: tensor {name} holds a factor that is not finite and > 0")
+    return values
 
 
 def _check_factor_counts(config_path: Path, scaling: RopeScaling, head_dim: int) -> None:
+    """Refuse what would make the tables meaningless: a factor <= 0 or a factor list of the wrong length."""
+    values = (scaling.factor, *scaling.short_factor, *scaling.long_factor)
+    if not all(value > 0 for value in values):
+        raise ModelLoadError(f"{config_path}: {scaling.rope_type} rope scaling factors must be > 0")
     for name in ("short_factor", "long_factor"):
         values = getattr(scaling, name)
         if values and len(values) != head_dim // 2:

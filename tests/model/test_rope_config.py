@@ -175,6 +175,7 @@ def _edit(directory: Path, source: Path, **changes: object) -> Path:
         ({"rope_type": "dynamic", "factor": 2.0}, r"'dynamic' is not supported \(supported: default, linear"),
         ({"rope_type": "linear"}, "linear rope scaling is incomplete or invalid"),
         ({"rope_type": "llama3", "factor": 8.0}, "llama3 rope scaling is incomplete or invalid"),
+        ({"rope_type": "yarn", "factor": -2.0}, "yarn rope scaling factors must be > 0"),
         (
             {"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 8},
             "short_factor has 3",
@@ -218,6 +219,10 @@ def test_gguf_refusals(tmp_path: Path) -> None:
                 writer.add_tensor("rope_freqs.weight", np.ones(8, np.float32)),
             ),
             "rope_freqs.weight together with qwen2.rope.scaling.type 'yarn' is not supported",
+        ),
+        "freqs-zero": (
+            lambda writer: writer.add_tensor("rope_freqs.weight", np.zeros(8, np.float32)),
+            "rope_freqs.weight holds a factor that is not finite and > 0",
         ),
         "freqs-shape": (
             lambda writer: writer.add_tensor("rope_freqs.weight", np.ones(5, np.float32)),

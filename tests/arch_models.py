@@ -9,6 +9,7 @@ own (stored in the file), so a test can tell that the template comes from the fi
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,14 +73,21 @@ def _config(architecture: str, vocab_size: int, window: int | None) -> Any:
 
 
 def build_arch_hf(
-    directory: Path, architecture: str, window: int | None = WINDOW, seed: int = 0
+    directory: Path,
+    architecture: str,
+    window: int | None = WINDOW,
+    seed: int = 0,
+    config_changes: dict[str, Any] | None = None,
 ) -> TinyModel:
     """A tiny random `architecture` ("mistral", "phi3") HF directory with sliding window `window` (None:
-    none); the returned TinyModel's `model` is the transformers reference (fp32, eval)."""
+    none), its config's attributes changed by `config_changes` (e.g. rope_parameters) before the model
+    is built; the returned TinyModel's `model` is the transformers reference (fp32, eval)."""
     import transformers
 
     tokenizer = build_tokenizer()
     config = _config(architecture, tokenizer.get_vocab_size(with_added_tokens=True), window)
+    for key, value in (config_changes or {}).items():
+        setattr(config, key, value)
     classes = {
         "mistral": transformers.MistralForCausalLM,
         "phi3": transformers.Phi3ForCausalLM,
@@ -132,10 +140,12 @@ _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight"
 _GGUF_ARCH = {"mistral": "llama", "phi3": "phi3", "gemma3": "gemma3", "gemma2": "gemma2"}
 
 
-def write_arch_gguf(reference: TinyModel, path: Path, quant: str = "F32") -> Path:
+def write_arch_gguf(
+    reference: TinyModel, path: Path, quant: str = "F32", extra: Callable[[Any], object] | None = None
+) -> Path:
     """`reference` as llama.cpp's converter writes it: Mistral as `llama` (q/k rows permuted), Phi-3 as
     `phi3` (fused attn_qkv and ffn_up, not permuted, its sliding window in phi3.attention.sliding_window);
-    2-D weights F32 or a block format (e.g. Q8_0)."""
+    2-D weights F32 or a block format (e.g. Q8_0). `extra(writer)` adds more keys and tensors."""
     import gguf
 
     cfg, arch = reference.model.config, _GGUF_ARCH[reference.architecture]
@@ -178,6 +188,8 @@ def write_arch_gguf(reference: TinyModel, path: Path, quant: str = "F32") -> Pat
             names = {**_LAYER, **_GEMMA_LAYER} if gemma else _LAYER
             target = f"blk.{layer}.{names[rest]}"
         _add(writer, target, array, quant)
+    if extra is not None:
+        extra(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

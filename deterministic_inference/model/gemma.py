@@ -29,6 +29,7 @@ import torch
 
 from deterministic_inference.errors import ModelLoadError
 from deterministic_inference.model.llama import DecoderLayer
+from deterministic_inference.model.rope_config import hf_rope_scaling
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata
 from deterministic_inference.ops.backend import KVCache, OpsBackend
@@ -88,33 +89,31 @@ def plus_one_norms(weights: dict[str, StoredWeight]) -> None:
 
 
 def hf_gemma_fields(config_path: Path, config: dict[str, Any], arch: str) -> dict[str, Any]:
-    """The Gemma spec fields of an HF text config (Gemma3ForCausalLM / gemma3_text, Gemma2ForCausalLM)."""
+    """The Gemma spec fields of an HF text config (Gemma3ForCausalLM / gemma3_text, Gemma2ForCausalLM),
+    with the rope scaling of the full-attention layers (Gemma 3 4B+: linear, factor 8)."""
     activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
     if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ModelLoadError(
             f"{config_path}: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)"
         )
-    if config.get("rope_scaling"):
-        raise ModelLoadError(f"{config_path}: Gemma rope_scaling is not supported (default rope only)")
     params = config.get("rope_parameters") or {}
-    if arch == "gemma3":
+    if arch == "gemma3" and ("full_attention" in params or "sliding_attention" in params):
         full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
-    else:
-        full, local = params, {}
-    for kind, rope in (("full_attention", full), ("sliding_attention", local)):
-        if rope.get("rope_type", "default") != "default":
-            raise ModelLoadError(
-                f"{config_path}: rope_parameters ({kind}) rope_type {rope['rope_type']!r} is not supported "
-                "(default only)"
-            )
+    else:  # one dict (a legacy rope_scaling scales Gemma 3's global layers only, as transformers reads it)
+        full, local = config.get("rope_scaling") or params, {}
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise ModelLoadError(
+            f"{config_path}: rope_parameters (sliding_attention) rope_type {local.get('rope_type')!r} is not "
+            "supported (the windowed layers rotate unscaled: default only)"
+        )
     theta = float(
         full.get("rope_theta", config.get("rope_theta", 1_000_000.0 if arch == "gemma3" else 10_000.0))
     )
-    local_theta = (
-        float(local.get("rope_theta", config.get("rope_local_base_freq", 10_000.0))) if local else 0.0
-    )
+    # a legacy Gemma 3 config.json (the Hub's) gives the local base as rope_local_base_freq
+    local_theta = float(local.get("rope_theta", config.get("rope_local_base_freq", 10_000.0)))
     return {
         "rope_theta": theta,
+        "rope_scaling": hf_rope_scaling(config_path, config, full, int(config.get("head_dim") or 256)),
         "rope_local_theta": local_theta if arch == "gemma3" else 0.0,
         "query_pre_attn_scalar": float(config.get("query_pre_attn_scalar") or config.get("head_dim") or 256),
         "attn_logit_softcapping": float(config.get("attn_logit_softcapping") or 0.0),
@@ -133,12 +132,10 @@ def gguf_gemma_fields(
     path: Path, meta: dict[str, Any], arch: str, head_dim: int, layers: int
 ) -> dict[str, Any]:
     """The Gemma spec fields of a GGUF file, as llama.cpp reads it: windowed layers by its fixed pattern
-    (Gemma 3: local rope base 10000), soft-capping from gemma2.*_logit_softcapping, the attention scale
-    1/sqrt(head_dim) (1/sqrt(hidden / heads) for the 27B models: 62 layers Gemma 3, 46 Gemma 2)."""
-    if meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
-        raise ModelLoadError(
-            f"{path}: {arch}.rope.scaling.type is not supported for Gemma (default rope only)"
-        )
+    (Gemma 3: local rope base 10000, never scaled; {arch}.rope.scaling.* scales the global layers and is
+    read by gguf_loader as for every architecture), soft-capping from gemma2.*_logit_softcapping, the
+    attention scale 1/sqrt(head_dim) (1/sqrt(hidden / heads) for the 27B models: 62 layers Gemma 3,
+    46 Gemma 2)."""
     scalar = float(head_dim)
     if layers == (62 if arch == "gemma3" else 46):
         scalar = float(meta[f"{arch}.embedding_length"]) / float(meta[f"{arch}.attention.head_count"])

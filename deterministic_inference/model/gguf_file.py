@@ -35,6 +35,12 @@ _STRING, _ARRAY = 8, 9
 _DENSE = {GGMLType.F32: np.float32, GGMLType.F16: np.float16}
 
 
+def metadata_float(meta: dict[str, Any], key: str, default: float) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not 9.99999974e-06;
+    0.1 not 0.100000001), so a GGUF spec equals the HF one; float32 arithmetic sees the same bits."""
+    return float(str(np.float32(meta.get(key, default))))
+
+
 class GGUFFormatError(ValueError):
     """The bytes are not a well-formed GGUF file (corrupt or truncated)."""
 

@@ -22,7 +22,7 @@ import torch
 
 from deterministic_inference.errors import ModelLoadError, UnsupportedArchitectureError
 from deterministic_inference.model.gemma import GGUF_GEMMA_LAYER, gguf_gemma_fields
-from deterministic_inference.model.gguf_file import GGUFFile, GGUFTensor, read_gguf
+from deterministic_inference.model.gguf_file import GGUFFile, GGUFTensor, metadata_float, read_gguf
 from deterministic_inference.model.gguf_tokenizer import build_gguf_tokenizer
 from deterministic_inference.model.moe_loading import (
     GGUF_ARCHITECTURES,
@@ -30,6 +30,7 @@ from deterministic_inference.model.moe_loading import (
     gguf_moe_name,
     split_experts,
 )
+from deterministic_inference.model.rope_config import GGUF_ROPE_TENSORS, gguf_rope_scaling, scaled_context
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.model.tokenizer import Tokenizer
 from deterministic_inference.ops.quant import QuantizedWeight, UnsupportedWeightFormat, block_format
@@ -185,12 +186,6 @@ def _stored_tensor(tensor: GGUFTensor, shape: tuple[int, ...], quantization: str
     return torch.from_numpy(values.copy())
 
 
-def _float(meta: dict[str, Any], key: str, default: float) -> float:
-    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not 9.99999974e-06),
-    so a GGUF spec equals the HF one; float32 arithmetic sees the same bits either way."""
-    return float(str(np.float32(meta.get(key, default))))
-
-
 def _int(path: Path, meta: dict[str, Any], key: str, default: int | None = None) -> int:
     value = meta.get(key, default)
     if value is None:
@@ -204,18 +199,6 @@ def _spec(
     embedding = tensors.get("token_embd.weight")
     if embedding is None or isinstance(embedding, tuple):
         raise ModelLoadError(f"{path}: tensor token_embd.weight is missing (or not a 2-D table)")
-    if "rope_freqs.weight" in tensors:
-        raise ModelLoadError(
-            f"{path}: rope frequency factors (rope_freqs.weight, Llama 3.1 style scaling) are not supported "
-            "from GGUF; load the model from its Hugging Face directory instead"
-        )
-    if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
-        raise ModelLoadError(
-            f"{path}: Phi-3 long-context rope factors (rope_factors_long/short, 'longrope') are not supported"
-        )
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ModelLoadError(f"{path}: {arch}.rope.scaling.type {scaling!r} is not supported")
     hidden = _int(path, meta, f"{arch}.embedding_length")
     heads = _int(path, meta, f"{arch}.attention.head_count")
     if heads <= 0 or (hidden % heads != 0 and f"{arch}.attention.key_length" not in meta):
@@ -228,7 +211,8 @@ def _spec(
             f"{path}: {arch}.rope.dimension_count {rotary} != head dim {head_dim}: "
             "partial rotary is not supported"
         )
-    context = _int(path, meta, f"{arch}.context_length")
+    scaling = gguf_rope_scaling(path, meta, arch, tensors, head_dim)
+    context = scaled_context(_int(path, meta, f"{arch}.context_length"), scaling)
     window = _int(path, meta, f"{arch}.attention.sliding_window", 0)
     moe = gguf_moe_fields(path, meta, architecture, arch, tensors)
     layers = _int(path, meta, f"{arch}.block_count")
@@ -244,12 +228,13 @@ def _spec(
         num_heads=heads,
         num_kv_heads=_int(path, meta, f"{arch}.attention.head_count_kv", heads),
         head_dim=head_dim,
-        rms_norm_eps=_float(meta, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        rope_theta=_float(meta, f"{arch}.rope.freq_base", 10000.0),
+        rms_norm_eps=metadata_float(meta, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=metadata_float(meta, f"{arch}.rope.freq_base", 10000.0),
         max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        rope_scaling=scaling,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
         sliding_window=window if 0 < window < context else 0,  # a window no sequence can cross is none
@@ -274,6 +259,8 @@ def _hf_weights(
 ) -> dict[str, StoredWeight]:
     weights: dict[str, StoredWeight] = {}
     for name, tensor in tensors.items():
+        if name in GGUF_ROPE_TENSORS:  # read into spec.rope_scaling
+            continue
         layer = _LAYER_TENSOR.match(name)
         if spec.is_gemma and layer and layer.group(2) in GGUF_GEMMA_LAYER:  # its norms are named otherwise
             target: str | None = f"model.layers.{layer.group(1)}.{GGUF_GEMMA_LAYER[layer.group(2)]}"

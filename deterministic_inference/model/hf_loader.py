@@ -12,6 +12,7 @@ import torch
 from deterministic_inference.errors import ModelLoadError, UnsupportedArchitectureError
 from deterministic_inference.model.gemma import gemma_window_layers, hf_gemma_fields, plus_one_norms
 from deterministic_inference.model.moe_loading import hf_moe_fields, hf_moe_weights
+from deterministic_inference.model.rope_config import hf_rope_scaling, scaled_context
 from deterministic_inference.model.spec import (
     GEMMA_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
@@ -108,27 +109,12 @@ def _field(config_path: Path, config: dict[str, Any], key: str, default: Any = N
     return value
 
 
-def _rope(config_path: Path, config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _rope(config_path: Path, config: dict[str, Any], head_dim: int) -> tuple[float, RopeScaling | None]:
     """rope_theta and scaling, from transformers-5 `rope_parameters` or older top-level keys."""
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or params
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if kind in (None, "default"):
-        return theta, None
-    if kind != "llama3":
-        raise ModelLoadError(
-            f"{config_path}: rope scaling type {kind!r} is not supported (supported: default, llama3)"
-        )
-    try:
-        return theta, RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelLoadError(f"{config_path}: llama3 rope scaling is incomplete: {exc}") from exc
+    return theta, hf_rope_scaling(config_path, config, scaling, head_dim)
 
 
 def _sliding_window(
@@ -182,15 +168,18 @@ def _spec(
         heads = int(_field(config_path, config, "num_attention_heads"))
         max_positions = int(_field(config_path, config, "max_position_embeddings"))
         layers = int(_field(config_path, config, "num_hidden_layers"))
-        window, window_layers = _sliding_window(config_path, config, layers, max_positions)
+        head_dim = int(config.get("head_dim") or hidden // heads)
         gemma: dict[str, Any] = {}
         if arch in GEMMA_ARCHITECTURES:
             gemma = hf_gemma_fields(config_path, config, arch)
-            window_layers = window_layers or gemma_window_layers(arch, layers)
-            theta, scaling = gemma.pop("rope_theta"), None
+            theta, scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
         else:
-            theta, scaling = _rope(config_path, config)
+            theta, scaling = _rope(config_path, config, head_dim)
             _check_variant(config_path, config)
+        max_positions = scaled_context(max_positions, scaling)
+        window, window_layers = _sliding_window(config_path, config, layers, max_positions)
+        if arch in GEMMA_ARCHITECTURES:
+            window_layers = window_layers or gemma_window_layers(arch, layers)
         return ModelSpec(
             architecture=arch,
             vocab_size=int(_field(config_path, config, "vocab_size")),
@@ -199,7 +188,7 @@ def _spec(
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             max_position_embeddings=max_positions,

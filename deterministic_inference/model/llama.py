@@ -22,6 +22,7 @@ from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.probes import BlockProbe, dtype_name
 from deterministic_inference.ops.repack import give_back_superseded
 from deterministic_inference.ops.rope import RotaryTable
+from deterministic_inference.ops.rope_scaling import rope_variant
 from deterministic_inference.ops.weights import StoredWeight, dense, dtype_format
 
 # layer_hook(layer_index, hidden): called with [T, hidden] after each block and (index L) after the final norm
@@ -151,9 +152,10 @@ class DecoderModel:
         # Logits in fp32 whatever the model dtype: fp32 sums of the model-dtype weight and hidden state.
         self.lm_head = self.ops.logits_head(head)
         self.rotary = self.ops.rotary_table(spec.head_dim, spec.rope_theta, max_positions, spec.rope_scaling)
-        # Gemma's windowed layers rotate with their own base (rope_local_base_freq), unscaled
+        # Gemma 3's windowed layers rotate with their own base (rope_local_base_freq), never scaled (HF:
+        # rope_scaling / a scaled rope_parameters type applies to the full-attention layers only)
         self.local_rotary = self.rotary
-        if spec.rope_local_theta and spec.rope_local_theta != spec.rope_theta:
+        if spec.rope_local_theta and (spec.rope_local_theta != spec.rope_theta or spec.rope_scaling):
             self.local_rotary = self.ops.rotary_table(
                 spec.head_dim, spec.rope_local_theta, max_positions, None
             )
@@ -164,7 +166,7 @@ class DecoderModel:
         for layer in self.layers:
             formats.update(layer.weight_formats)
         self.weight_formats = dict(sorted(formats.items()))
-        self.model_ops = model_ops(spec)
+        self.model_ops = model_ops(spec, max_positions)
 
     def probe_linears(self) -> list[tuple[str, Linear]]:
         """(role, linear) for the first linear of each role and weight-format mix (what the start-up
@@ -234,10 +236,15 @@ class DecoderModel:
         return self.ops.softcap(logits, cap) if cap else logits
 
 
-def model_ops(spec: ModelSpec) -> tuple[str, ...]:
+def model_ops(spec: ModelSpec, max_positions: int) -> tuple[str, ...]:
     """The ops a model computes beyond the Llama block's (sorted names; the fingerprint's numerics list
-    them, the self-check probes each): sliding-window attention, GELU-tanh, soft-capping, Gemma's block."""
+    them, the self-check probes each): sliding-window attention, GELU-tanh, soft-capping, Gemma's block,
+    and the rotary scaling (e.g. "rope_yarn"; LongRoPE's factor set, chosen by the context
+    `max_positions`, is named too: it is not in the files the model digest hashes)."""
     ops = set()
+    rope = rope_variant(spec.rope_scaling, max_positions)
+    if rope is not None:
+        ops.add(rope)
     if any(spec.layer_window(i) for i in range(spec.num_layers)):
         ops.add("sliding_window_attention")
     if spec.is_gemma:

@@ -45,14 +45,39 @@ FUSED_PROJECTION_ARCHITECTURES = ("phi3",)  # qkv_proj and gate_up_proj stored f
 MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
 
 
+# rope_scaling types the rotary tables implement (ops/rope_scaling.py); anything else is refused at load
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style rope frequency scaling (rope_type "llama3"); None on the spec means plain RoPE."""
+    """How a model rescales its rotary frequencies (None on the spec means plain RoPE). Which fields a
+    type reads (ops/rope_scaling.py computes them as transformers does):
 
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    - linear: factor (every frequency / factor, i.e. positions / factor);
+    - llama3: factor, low/high_freq_factor, original_max_position_embeddings; or, from a GGUF file,
+      freq_factors: llama.cpp's per-frequency divisors (rope_freqs.weight) that replace the formula;
+    - yarn: factor, original_max_position_embeddings, beta_fast/slow, truncate, and the cos/sin
+      multiplier attention_factor (None: derived from factor, mscale and mscale_all_dim);
+    - longrope: short_factor / long_factor (per-frequency divisors of theta^(2j/D)) and attention_factor
+      (None: derived from factor and original_max_position_embeddings); which set applies is chosen
+      once per model from its context length (ops/rope_scaling.longrope_uses_long_factors).
+    """
+
+    rope_type: str  # one of ROPE_SCALING_TYPES
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    freq_factors: tuple[float, ...] = ()  # llama3 from GGUF: inv_freq[j] / freq_factors[j] (fp32 values)
+    beta_fast: float = 32.0  # yarn: rotations where the ramp starts (extrapolated frequencies)
+    beta_slow: float = 1.0  # yarn: rotations where it ends (interpolated frequencies)
+    truncate: bool = True  # yarn: the ramp's bounds rounded to whole dimensions
+    mscale: float = 0.0  # yarn: attention factor numerator scale (0: unused)
+    mscale_all_dim: float = 0.0  # yarn: its denominator scale (0: unused)
+    attention_factor: float | None = None  # yarn / longrope: cos and sin multiplied by it (None: derived)
+    short_factor: tuple[float, ...] = ()  # longrope, [head_dim / 2]
+    long_factor: tuple[float, ...] = ()  # longrope, [head_dim / 2]
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from deterministic_inference.ops.native import NativeKernels, native_kernels
@@ -89,6 +90,25 @@ def inverse_frequencies(kernels: NativeKernels, theta: float, head_dim: int) -> 
     out = torch.empty(head_dim // 2, dtype=torch.float32)
     kernels.library.detinf_inverse_frequencies(float(theta), head_dim, out.data_ptr())
     return out
+
+
+def rope_powers(kernels: NativeKernels, theta: float, head_dim: int) -> torch.Tensor:
+    """[head_dim // 2] fp32 theta^(2j / head_dim), computed as rotary_tables.c computes the powers it
+    inverts: fp32 exponent 2j / D, exp(exponent * ln theta) in the portable double exp and log, rounded to
+    fp32. So 1 / these (one fp32 division) are `inverse_frequencies`, bit for bit; the rope scaling types
+    that need the powers themselves (YaRN, LongRoPE: 1 / (factor * power)) start from them."""
+    library = kernels.library
+    log_theta = float(library.detinf_test_log(float(theta)))
+    dim = np.float32(head_dim)
+    exponents = [float(np.float32(2 * j) / dim) for j in range(head_dim // 2)]
+    powers = [np.float32(library.detinf_test_exp(exponent * log_theta)) for exponent in exponents]
+    return torch.from_numpy(np.array(powers, dtype=np.float32))
+
+
+def natural_log(kernels: NativeKernels, value: float) -> float:
+    """ln(value) in double by the kernels' portable log (portable_math.h: bits fixed by our source; libm's
+    log has ISA-dispatched variants): the rope scaling parameters' logarithms."""
+    return float(kernels.library.detinf_test_log(float(value)))
 
 
 _RANGE_MESSAGE = "rotary tables: angles of {positions} positions exceed the portable reduction's range (2^20)"

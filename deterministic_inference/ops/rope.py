@@ -9,6 +9,7 @@ import torch
 
 from deterministic_inference.model.spec import RopeScaling
 from deterministic_inference.ops import portable
+from deterministic_inference.ops.rope_scaling import scaled_frequencies
 
 INITIAL_POSITIONS = 4096  # rows of a portable table before its first growth (RotaryTable.cover)
 
@@ -17,29 +18,28 @@ if TYPE_CHECKING:
 
 
 def inverse_frequencies(
-    head_dim: int, theta: float, scaling: RopeScaling | None, kernels: NativeKernels | None = None
-) -> torch.Tensor:
-    """[head_dim // 2] fp32 inverse frequencies, with Llama-3 scaling when given (same formula as HF).
+    head_dim: int,
+    theta: float,
+    scaling: RopeScaling | None,
+    kernels: NativeKernels | None = None,
+    max_positions: int = 0,
+) -> tuple[torch.Tensor, float]:
+    """([head_dim // 2] fp32 inverse frequencies, attention factor multiplying cos / sin) of `scaling`
+    (ops/rope_scaling.py; None: plain RoPE, factor 1). `max_positions` is the model's context (LongRoPE
+    chooses its factor set by it).
 
-    With `kernels` the power theta^e comes from the portable kernels (torch's pow dispatches on the ISA);
-    the scaling is elementwise +, -, *, / and comparisons, which round the same in every torch kernel."""
+    With `kernels` the powers theta^e and the scaling's logarithms come from the portable kernels (torch's
+    pow and libm's log dispatch on the ISA); the rest is elementwise +, -, *, / and comparisons, which
+    round the same in every torch kernel."""
     if kernels is not None:
-        inv_freq = portable.inverse_frequencies(kernels, theta, head_dim)
-    else:
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        inv_freq = 1.0 / (theta**exponents)
-    if scaling is None:
-        return inv_freq
-    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+        powers = portable.rope_powers(kernels, theta, head_dim)  # [D/2]
+
+        def log(value: float) -> float:
+            return portable.natural_log(kernels, value)
+
+        return scaled_frequencies(powers, theta, scaling, max_positions, log)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return scaled_frequencies(theta**exponents, theta, scaling, max_positions, math.log)
 
 
 class RotaryTable:
@@ -56,6 +56,9 @@ class RotaryTable:
     frequency) alone, so a grown table's rows are the old rows bit for bit. torch's tables are computed
     whole (its vectorised and scalar cos / sin may differ in the last bit, and which elements take which
     path depends on the table's size).
+
+    Scaling (`RopeScaling`: linear, llama3, YaRN, LongRoPE) changes only the inverse frequencies and the
+    factor both tables are multiplied by (ops/rope_scaling.py), each fixed when the table is built.
     """
 
     def __init__(
@@ -66,19 +69,32 @@ class RotaryTable:
         scaling: RopeScaling | None,
         kernels: NativeKernels | None = None,
     ) -> None:
-        self._inv_freq = inverse_frequencies(head_dim, theta, scaling, kernels)  # [D/2]
+        # [D/2]; the attention factor (YaRN, LongRoPE) multiplies every entry of cos and sin, as HF's does
+        self._inv_freq, self.attention_factor = inverse_frequencies(
+            head_dim, theta, scaling, kernels, max_positions
+        )
         self._kernels = kernels
         self.max_positions = max_positions
         if kernels is not None:
             portable.check_rotary_range(kernels, self._inv_freq, max_positions)  # refuse now, not mid-request
             size = min(max_positions, INITIAL_POSITIONS)
-            self.cos, self.sin = portable.rotary_tables(kernels, self._inv_freq, size)  # [P, D] fp32
+            self.cos, self.sin = self._portable_tables(kernels, size)  # [P, D] fp32
         else:
             positions = torch.arange(max_positions, dtype=torch.int64).float()  # [P]
             freqs = torch.outer(positions, self._inv_freq)  # [P, D/2]
             angles = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-            self.cos = angles.cos()  # [P, D] fp32
-            self.sin = angles.sin()  # [P, D] fp32
+            self.cos, self.sin = self._scaled(angles.cos(), angles.sin())  # [P, D] fp32
+
+    def _portable_tables(self, kernels: NativeKernels, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [size, D] fp32 from the portable kernels, times the attention factor."""
+        return self._scaled(*portable.rotary_tables(kernels, self._inv_freq, size))
+
+    def _scaled(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos * factor, sin * factor (one fp32 product per entry, HF's `emb.cos() * attention_scaling`);
+        the tables as they are when the factor is 1."""
+        if self.attention_factor == 1.0:
+            return cos, sin
+        return cos * self.attention_factor, sin * self.attention_factor
 
     def cover(self, positions: torch.Tensor) -> None:
         """Grow the tables so every position in `positions` [T] int64 has its row (up to max_positions;
@@ -89,7 +105,7 @@ class RotaryTable:
         needed = int(positions.max()) + 1
         if needed > have:
             size = min(self.max_positions, max(needed, 2 * have))
-            self.cos, self.sin = portable.rotary_tables(self._kernels, self._inv_freq, size)
+            self.cos, self.sin = self._portable_tables(self._kernels, size)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D] (any float dtype), positions: [T] int64 -> [T, heads, D] in x's dtype.

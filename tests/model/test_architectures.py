@@ -129,8 +129,8 @@ def _edit_config(directory: Path, **changes: object) -> None:
         ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
         (
-            {"rope_scaling": {"type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8}},
-            "rope scaling type 'longrope' is not supported",
+            {"rope_scaling": {"type": "longrope", "long_factor": [1.0] * 7, "short_factor": [1.0] * 8}},
+            "long_factor has 7 values, expected 8",
         ),
     ],
 )

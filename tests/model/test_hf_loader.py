@@ -91,7 +91,7 @@ def test_llama3_rope_scaling_and_legacy_rope_theta(tiny_llama_dir: TinyModel, tm
     )
     spec = load_model(str(path)).spec
     assert spec.rope_theta == 500000.0
-    assert spec.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 128)
+    assert spec.rope_scaling == RopeScaling("llama3", 8.0, 128, low_freq_factor=1.0, high_freq_factor=4.0)
 
 
 def test_generation_config_eos_ids_are_added(tiny_qwen3_dir: TinyModel, tmp_path: Path) -> None:

@@ -150,8 +150,9 @@ def test_sliding_window_is_read_and_bad_layer_types_refused(
 
 def test_unsupported_rope_scaling(tiny_llama_dir: TinyModel, tmp_path: Path) -> None:
     path = _copy(tiny_llama_dir, tmp_path / "m")
-    _edit_config(path, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
-    with pytest.raises(ModelLoadError, match="'yarn' is not supported"):
+    _edit_config(path, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+    supported = r"'dynamic' is not supported \(supported: default, linear, llama3, yarn, longrope\)"
+    with pytest.raises(ModelLoadError, match=supported):
         load_model(str(path))
 
 

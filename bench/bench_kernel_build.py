@@ -10,7 +10,12 @@ byte-identical (the parallel build must be the same library, not only as fast). 
 wall times include other jobs' load (the load average is printed); the CPU seconds do not.
 
     .venv/bin/python -m bench.bench_kernel_build [--march native x86-64-v3 x86-64] [--jobs N]
-        [--ways one serial parallel]
+        [--ways one serial parallel] [--test-run]
+
+`--test-run` times instead every build a test run makes after `scripts/setup.sh`: setup's native build,
+then the tests' builds (the -march levels, the negative-control and FMA-GEMM test-only builds), made
+together as the tests make them. Every build starts from an empty kernel cache and object cache
+($DETINF_CACHE_DIR is set to a fresh directory).
 """
 
 from __future__ import annotations
@@ -107,15 +112,41 @@ def bench_march(march: str, jobs: int, ways: list[str]) -> None:
               f"(of {total:.1f} CPU s)")
 
 
+def bench_test_run(jobs: int) -> None:
+    """Setup's native build, then the tests' builds together (tests/kernel_builds.py), from cold caches."""
+    from tests.kernel_builds import build_together
+    from tests.ops.conftest import MARCH_LEVELS, TEST_ONLY_FLAGS
+    from tests.ops.test_gemm_fma import FMA_DEFINES
+
+    test_dir = native_build.cache_dir().parent / "test-builds"
+    builds = [((f"-march={march}",), None) for march in MARCH_LEVELS]
+    builds += [((*native_build.ISA_FLAGS, flag), test_dir) for flag in TEST_ONLY_FLAGS]
+    builds += [((*native_build.ISA_FLAGS, *defines), test_dir) for defines in FMA_DEFINES.values()]
+    setup = measured(lambda: native_build.build(jobs=jobs))
+    start, cpu = time.perf_counter(), children_cpu()
+    build_together(builds)
+    print(f"\n{len(builds)} test builds after setup's native build (cold caches, {jobs} jobs each)")
+    print("| step | wall s | CPU s |\n|---|---|---|")
+    print(f"| setup: native | {setup[0]:.1f} | {setup[1]:.1f} |")
+    print(f"| the tests' builds, together | {time.perf_counter() - start:.1f} | {children_cpu() - cpu:.1f} |")
+
+
 def main() -> None:
     print("load average:", " ".join(f"{value:.1f}" for value in os.getloadavg()))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--march", nargs="+", default=["native"], choices=native_build.MARCHES)
     parser.add_argument("--jobs", type=int, default=native_build.available_cpus())
     parser.add_argument("--ways", nargs="+", default=WAYS, choices=WAYS, help="which builds to time")
+    parser.add_argument("--test-run", action="store_true", help="time the builds of a test run instead")
     args = parser.parse_args()
-    for march in args.march:
-        bench_march(march, args.jobs, args.ways)
+    # cold object and library caches for every build here (native_build keeps objects beside the cache)
+    with tempfile.TemporaryDirectory(prefix="detinf-build-bench-cache-") as cache:
+        os.environ["DETINF_CACHE_DIR"] = cache
+        if args.test_run:
+            bench_test_run(args.jobs)
+            return
+        for march in args.march:
+            bench_march(march, args.jobs, args.ways)
 
 
 if __name__ == "__main__":

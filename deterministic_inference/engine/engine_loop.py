@@ -33,6 +33,8 @@ class Sink(Protocol):
 
 @dataclass
 class AddCommand:
+    """Add one request; its sink gets ACCEPTED, then its deltas (or the error that refused it)."""
+
     request_id: str
     prompt_token_ids: list[int]  # checked against the engine's limits before submission
     params: SamplingParams
@@ -41,17 +43,23 @@ class AddCommand:
 
 @dataclass
 class AbortCommand:
+    """Abort one request (no-op when it already finished); its KV blocks are freed."""
+
     request_id: str
 
 
 @dataclass
 class CallCommand:
+    """Run `fn` on the engine in its own thread, between steps (metrics, weight updates, ...)."""
+
     fn: Callable[[Engine], Any]
     sink: Sink  # receives (True, result) or (False, error)
 
 
 @dataclass
 class StopCommand:
+    """Stop the loop: in-flight requests may finish until the deadline, then the rest are aborted."""
+
     deadline: float | None  # time.monotonic() after which in-flight requests are aborted; None = wait
 
 

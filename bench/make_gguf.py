@@ -1,13 +1,20 @@
-"""Benchmark model maker: a random-weight Llama GGUF of a given shape and weight format.
+"""Benchmark model maker: a random-weight GGUF of a given family, shape and weight format.
 
     python -m bench.make_gguf --out /tmp/llama1b-q4_0.gguf --qtype Q4_0
     python -m bench.make_gguf --out /tmp/small.gguf --qtype Q4_K_M --hidden 256 --layers 2 --heads 4 \
         --kv-heads 2 --ffn 512
     python -m bench.make_gguf --out /tmp/moe-q4_0.gguf --qtype Q4_0 --experts 8 --experts-used 2 --ffn 2048
+    python -m bench.make_gguf --out /tmp/gemma3-1b-q8_0.gguf --arch gemma3 --qtype Q8_0
 
 The default shape is Llama-3.2-1B's (hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192, tied
 embeddings, rope base 500000) with the default model's tokenizer (every `tokenizer.*` key copied from
 the embedded SmolLM2 GGUF, so the vocabulary is 49152). Both our engine and llama.cpp load the files.
+
+`--arch {llama,mistral,gemma3,gemma2,phi3}` picks the family: its llama.cpp tensor layout and metadata
+keys, and a preset shape (Mistral-7B, Gemma-3-1B, Gemma-2-2B, Phi-3-mini-4k; see `bench.gguf_families`).
+The shape flags override the preset's values one by one. Every family keeps the default model's
+tokenizer (not Gemma's or Phi-3's own vocabulary): enough for a file whose weights are random anyway,
+and the compute per token differs from the real model's only in the embedding / output head size.
 
 Formats: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K for every matrix (norms stay
 F32), or the mixes Q4_K_M / Q5_K_M (see `format_plan`). The 32-value formats are quantized by the
@@ -19,8 +26,9 @@ bytes. Tensors are generated and written one at a time, so memory stays at about
 `llama` with `llama.expert_count` / `expert_used_count`, an F32 router `ffn_gate_inp` [N, hidden] and 3-D
 stacks `ffn_{gate,up,down}_exps` [N, ffn, hidden] in the chosen format; `--ffn` is each expert's width).
 
-The API is meant to be extended (e.g. an MoE variant): `llama_tensors` and `llama_metadata` give the
-plain Llama parts, `write_gguf` writes any list of `TensorSpec` with any metadata.
+The API is meant to be extended: `llama_tensors` and `llama_metadata` give the plain Llama parts,
+`model_tensors` any per-layer layout, `write_gguf` writes any list of `TensorSpec` with any metadata;
+`bench.gguf_families.write_family_gguf` writes one family.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import argparse
 import sys
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +74,7 @@ class LlamaShape:
     tie_embeddings: bool = True
     experts: int = 0  # > 0: a mixture of experts (Mixtral layout), each expert `ffn` wide
     experts_used: int = 0  # experts per token
+    sliding_window: int = 0  # > 0: `{arch}.attention.sliding_window` (Mistral, Gemma, Phi-3)
 
     @property
     def dim(self) -> int:
@@ -89,6 +98,10 @@ class LlamaShape:
             )
         if self.experts_used and not self.experts:
             raise ValueError("--experts-used needs --experts")
+        if not 0 <= self.sliding_window < self.context:
+            raise ValueError(
+                f"--sliding-window {self.sliding_window} must be 0 (none) or below --context {self.context}"
+            )
 
 
 @dataclass(frozen=True)
@@ -133,19 +146,36 @@ def format_plan(qtype: str, layers: int, tie_embeddings: bool) -> FormatPlan:
     return plan
 
 
+# a layer's tensors: (GGUF name without the "blk.N." prefix, numpy shape)
+LayerTensors = tuple[tuple[str, tuple[int, ...]], ...]
+
+
 def llama_tensors(shape: LlamaShape, vocab: int, plan: FormatPlan) -> list[TensorSpec]:
     """The tensors of a Llama model in llama.cpp's names and order, formats from `plan`."""
+    return model_tensors(shape, vocab, plan, llama_layer_tensors(shape))
+
+
+def llama_layer_tensors(shape: LlamaShape) -> LayerTensors:
+    """A Llama block's tensors: attention q, k, v, output, and the dense or Mixtral-expert MLP."""
     hidden, dim = shape.hidden, shape.dim
-    specs = [TensorSpec("token_embd.weight", (vocab, hidden), plan(-1, "token_embd.weight"))]
-    specs.append(TensorSpec("output_norm.weight", (hidden,), "F32", 0.1, 1.0))
-    if not shape.tie_embeddings:
-        specs.append(TensorSpec("output.weight", (vocab, hidden), plan(-1, "output.weight")))
-    per_layer = (
+    return (
         ("attn_norm.weight", (hidden,)), ("attn_q.weight", (shape.heads * dim, hidden)),
         ("attn_k.weight", (shape.kv_heads * dim, hidden)), ("attn_v.weight", (shape.kv_heads * dim, hidden)),
         ("attn_output.weight", (hidden, shape.heads * dim)), ("ffn_norm.weight", (hidden,)),
         *_mlp_tensors(shape),
     )  # fmt: skip
+
+
+def model_tensors(
+    shape: LlamaShape, vocab: int, plan: FormatPlan, per_layer: LayerTensors
+) -> list[TensorSpec]:
+    """The embedding, final norm, output head (when untied), then `per_layer` for every layer; norms
+    Gaussian around 1, routers F32, every other matrix in the format `plan` gives it."""
+    hidden = shape.hidden
+    specs = [TensorSpec("token_embd.weight", (vocab, hidden), plan(-1, "token_embd.weight"))]
+    specs.append(TensorSpec("output_norm.weight", (hidden,), "F32", 0.1, 1.0))
+    if not shape.tie_embeddings:
+        specs.append(TensorSpec("output.weight", (vocab, hidden), plan(-1, "output.weight")))
     for layer in range(shape.layers):
         for name, dims in per_layer:
             norm = name.endswith("norm.weight")
@@ -155,7 +185,7 @@ def llama_tensors(shape: LlamaShape, vocab: int, plan: FormatPlan) -> list[Tenso
     return specs
 
 
-def _mlp_tensors(shape: LlamaShape) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def _mlp_tensors(shape: LlamaShape) -> LayerTensors:
     """A layer's MLP tensors: the dense gated MLP, or the router and the 3-D expert stacks."""
     hidden, ffn, experts = shape.hidden, shape.ffn, shape.experts
     if not experts:
@@ -172,6 +202,7 @@ def _mlp_tensors(shape: LlamaShape) -> tuple[tuple[str, tuple[int, ...]], ...]:
 def llama_metadata(shape: LlamaShape, arch: str, qtype: str) -> dict[str, Any]:
     """Hyper-parameter keys (`{arch}.*`) and file-level keys; plain Python values, typed on write."""
     moe = {f"{arch}.expert_count": shape.experts, f"{arch}.expert_used_count": shape.experts_used}
+    window = {f"{arch}.attention.sliding_window": shape.sliding_window}
     return {
         "general.name": f"random-{arch}-{shape.layers}L-{shape.hidden}-{qtype}",
         "general.file_type": FILE_TYPES.get(qtype, 1),
@@ -188,6 +219,7 @@ def llama_metadata(shape: LlamaShape, arch: str, qtype: str) -> dict[str, Any]:
         f"{arch}.rope.freq_base": float(shape.rope_theta),
         f"{arch}.attention.layer_norm_rms_epsilon": float(shape.rms_eps),
         **(moe if shape.experts else {}),
+        **(window if shape.sliding_window else {}),
     }
 
 
@@ -335,30 +367,43 @@ def write_llama_gguf(
     return write_gguf(Path(path), arch, metadata, tensors, seed, tokenizer)
 
 
+SHAPE_FLAGS = ("hidden", "layers", "heads", "kv_heads", "ffn", "head_dim", "context", "sliding_window")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    defaults = LlamaShape()
+    from bench.gguf_families import FAMILIES
+
     p = argparse.ArgumentParser(prog="python -m bench.make_gguf", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, type=Path, help="GGUF file to write")
+    p.add_argument("--arch", default="llama", help=f"one of {', '.join(FAMILIES)} (default llama)")
     p.add_argument("--qtype", default="Q4_0", help=f"one of {', '.join(QTYPES)} (default Q4_0)")
     p.add_argument("--seed", type=int, default=0)
-    for name in ("hidden", "layers", "heads", "kv_heads", "ffn", "head_dim", "context"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    p.add_argument("--rope-theta", type=float, default=defaults.rope_theta)
+    for name in SHAPE_FLAGS:  # unset: the --arch preset's value
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    p.add_argument("--rope-theta", type=float, default=None)
     p.add_argument("--untied", action="store_true", help="write a separate output.weight")
     p.add_argument("--experts", type=int, default=0, help="experts per layer (Mixtral-style MoE; 0: dense)")
     p.add_argument("--experts-used", type=int, default=0, help="experts per token (with --experts)")
     return p.parse_args(argv)
 
 
+def shape_from_args(args: argparse.Namespace, preset: LlamaShape) -> LlamaShape:
+    """`preset` with every shape flag the user gave put in its place."""
+    given = {
+        name: getattr(args, name) for name in (*SHAPE_FLAGS, "rope_theta") if getattr(args, name) is not None
+    }
+    if args.untied:
+        given["tie_embeddings"] = False
+    return replace(preset, **given, experts=args.experts, experts_used=args.experts_used)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from bench.gguf_families import family, write_family_gguf
+
     args = parse_args(argv)
-    shape = LlamaShape(
-        hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn,
-        head_dim=args.head_dim, context=args.context, rope_theta=args.rope_theta,
-        tie_embeddings=not args.untied, experts=args.experts, experts_used=args.experts_used,
-    )  # fmt: skip
     try:
-        path = write_llama_gguf(args.out, shape, args.qtype.upper(), args.seed)
+        shape = shape_from_args(args, family(args.arch).preset)
+        path = write_family_gguf(args.out, args.arch, shape, args.qtype.upper(), args.seed)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

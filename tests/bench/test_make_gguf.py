@@ -10,6 +10,7 @@ happens to be installed (the bench venv); it is never a test dependency.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +20,9 @@ from bench.kquants import affine_fields, pack_q4_k, pack_q5_k, pack_q6_k, quanti
 from bench.make_gguf import QTYPES, LlamaShape, main, write_llama_gguf
 
 SMALL = LlamaShape(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, context=512)
-SMALL_MOE = LlamaShape(hidden=256, layers=2, heads=4, kv_heads=2, ffn=256, context=512,
-                       experts=8, experts_used=2)
+SMALL_MOE = LlamaShape(
+    hidden=256, layers=2, heads=4, kv_heads=2, ffn=256, context=512, experts=8, experts_used=2
+)
 
 
 def field_values(kind: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -199,3 +201,46 @@ def test_moe_file_serves_end_to_end(tmp_path: Path) -> None:
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             together = list(pool.map(ask, prompts))
         assert together[0] == alone and together[-1] == alone
+
+
+def test_arch_flag_picks_the_preset_and_shape_flags_override_it(tmp_path: Path) -> None:
+    import gguf
+
+    from bench.gguf_families import FAMILIES
+    from bench.make_gguf import parse_args, shape_from_args
+
+    assert shape_from_args(parse_args(["--out", "x"]), FAMILIES["llama"].preset) == LlamaShape()
+    args = parse_args(["--out", "x", "--arch", "gemma3", "--layers", "2", "--rope-theta", "5e5"])
+    assert shape_from_args(args, FAMILIES["gemma3"].preset) == replace(
+        FAMILIES["gemma3"].preset, layers=2, rope_theta=5e5
+    )
+    out = tmp_path / "g2.gguf"
+    tiny = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128",
+            "--head-dim", "32", "--context", "256", "--sliding-window", "8"]  # fmt: skip
+    assert main(["--out", str(out), "--arch", "gemma2", "--qtype", "Q8_0", *tiny]) == 0
+    fields = gguf.GGUFReader(str(out)).fields
+    assert fields["general.architecture"].contents() == "gemma2"
+    assert fields["gemma2.attention.sliding_window"].contents() == 8
+    assert fields["gemma2.attention.key_length"].contents() == 32
+    assert fields["gemma2.final_logit_softcapping"].contents() == 30.0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--arch", "gemma5"], "--arch must be one of llama, mistral, gemma3, gemma2, phi3"),
+        (["--arch", "gemma3", "--untied"], "drop --untied"),
+        (["--arch", "phi3", "--experts", "2", "--experts-used", "1"], "--experts is for --arch llama"),
+        (
+            ["--arch", "mistral", "--context", "1024"],
+            "--sliding-window 4096 must be 0 (none) or below --context",
+        ),
+    ],
+)
+def test_bad_family_arguments_fail_with_one_line_and_write_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert main(["--out", str(tmp_path / "x.gguf"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not list(tmp_path.iterdir())

@@ -273,6 +273,8 @@ class Scheduler:
             return
         accepted = len(output.accepted.get(sequence_id, []))
         self.spec_stats.record(drafted, accepted, emitted, self._max_draft())
+        request.num_draft_tokens += drafted  # the same counts per sequence, for the request's usage
+        request.num_accepted_tokens += accepted
         length = self._draft_lengths.get(sequence_id)
         if length is not None:
             length.update(drafted, accepted)

@@ -307,3 +307,21 @@ def test_engine_config_takes_the_json_or_its_dict() -> None:
     assert EngineConfig(speculative_config=as_dict).speculative_config == expected  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="speculative_config"):
         EngineConfig(speculative_config=3)  # type: ignore[arg-type]
+
+
+def test_per_request_counts_sum_to_the_engine_counts(tiny_loaded: LoadedModel) -> None:
+    """Each output's `speculation` (what usage reports) counts its own drafts: over a mixed batch with
+    n > 1 and preemption the outputs add up to the engine's counters; without speculation it is None."""
+    prompts = copy_heavy_prompts(tiny_loaded.spec.vocab_size, 6, seed=9)
+    two_choices = SamplingParams(max_tokens=16, temperature=0.1, n=2, seed=5, ignore_eos=True)
+    params = [GREEDY, SEEDED, two_choices] * 2
+    engine = engine_for(tiny_loaded, NGRAM, kv_block_size=4, num_kv_blocks=30, max_num_batched_tokens=64)
+    outputs = engine.generate(prompts, params)
+    counts = [o.speculation for o in outputs]
+    assert all(c is not None for c in counts)
+    stats = engine.stats()["spec_decode"]
+    assert sum(c.num_accepted_tokens for c in counts if c is not None) == stats["num_accepted_tokens"] > 0
+    assert sum(c.num_draft_tokens for c in counts if c is not None) == stats["num_draft_tokens"]
+    assert engine.scheduler.num_preemptions > 0
+    plain = engine_for(tiny_loaded, None).generate(prompts[:1], GREEDY)
+    assert plain[0].speculation is None

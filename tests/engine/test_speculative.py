@@ -166,26 +166,38 @@ def test_speculative_in_mixed_batches_equals_plain(tiny_loaded: LoadedModel, par
         assert engine.kv.num_used_blocks == 0, "every block came back"
 
 
+def run_with_prefix_hits(
+    loaded: LoadedModel, prompts: list[list[int]], params: SamplingParams, speculative: SpeculativeConfig
+) -> tuple[list[list[list[tuple[Any, ...]]]], Engine]:
+    """The prompts run twice through one engine with the prefix cache on (the second round hits the
+    blocks the first registered); per round, the signatures. After every step it checks that no cached
+    block holds an unverified token: registered blocks cover computed tokens only, and computed tokens
+    are known (verified) tokens."""
+    engine = engine_for(loaded, speculative, enable_prefix_caching=True, kv_block_size=4)
+    rounds = []
+    for _ in range(2):
+        ids = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished:
+            engine.step()
+            for sequence in engine.scheduler.sequences.values():
+                committed = engine.kv._num_committed.get(sequence.request_id, 0)
+                assert committed * engine.kv.block_size <= sequence.num_computed_tokens
+                assert sequence.num_computed_tokens <= sequence.num_tokens
+        outputs = [engine._assembled[i].output() for i in ids]
+        for i in ids:
+            engine.release(i)
+        rounds.append([signature(o) for o in outputs])
+    return rounds, engine
+
+
 def test_speculative_with_prefix_hits_equals_plain(tiny_loaded: LoadedModel) -> None:
-    """A warm prefix cache (the same prompts twice, then their outputs as prompts) gives plain bits, and
-    no cached block ever holds an unverified token: registered blocks cover computed tokens only, and
-    computed tokens are known (verified) tokens."""
+    """A warm prefix cache (the same prompts twice) gives plain bits, and no cached block ever holds an
+    unverified token (`run_with_prefix_hits`)."""
     prompts = copy_heavy_prompts(tiny_loaded.spec.vocab_size, 6, seed=4)
     for params in (GREEDY, SEEDED):
         reference = [run(tiny_loaded, [p], params, None)[0][0] for p in prompts]
-        engine = engine_for(tiny_loaded, NGRAM, enable_prefix_caching=True, kv_block_size=4)
-        for _ in range(2):
-            ids = [engine.add_request(p, params) for p in prompts]
-            while engine.has_unfinished:
-                engine.step()
-                for sequence in engine.scheduler.sequences.values():
-                    committed = engine.kv._num_committed.get(sequence.request_id, 0)
-                    assert committed * engine.kv.block_size <= sequence.num_computed_tokens
-                    assert sequence.num_computed_tokens <= sequence.num_tokens
-            outputs = [engine._assembled[i].output() for i in ids]
-            for i in ids:
-                engine.release(i)
-            assert [signature(o) for o in outputs] == reference
+        rounds, engine = run_with_prefix_hits(tiny_loaded, prompts, params, NGRAM)
+        assert rounds == [reference, reference]
         assert engine.kv.stats.hit_tokens > 0 and accepted(engine) > 0
 
 

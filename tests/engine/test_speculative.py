@@ -27,7 +27,15 @@ from deterministic_inference.model.loader import LoadedModel, load_model
 from deterministic_inference.ops.logprobs import log_softmax_rows
 from tests.tiny_models import TinyModel
 
-NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+# drafting at any batch size (the default stops drafting in large batches): the mixed batches below
+# must have drafted and plain rows side by side
+NGRAM = SpeculativeConfig(
+    method="ngram",
+    num_speculative_tokens=4,
+    prompt_lookup_min=1,
+    prompt_lookup_max=3,
+    disable_by_batch_size=None,
+)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
 # low temperature / few survivors: the tiny random model repeats itself, so drafts are both accepted
 # and rejected (the noise decides at some positions)
@@ -117,6 +125,8 @@ def test_ngram_proposer_continues_the_most_recent_match() -> None:
         ('{"method": "ngram", "num_speculative_tokens": 99}', "speculative_config.num_speculative_tokens"),
         ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"),
         ('{"method": "ngram", "lookahead": 2}', "speculative_config.lookahead"),
+        ('{"method": "ngram", "disable_by_batch_size": 0}', "speculative_config.disable_by_batch_size"),
+        ('{"method": "ngram", "disable_by_batch_size": 2.5}', "speculative_config.disable_by_batch_size"),
         ('{"num_speculative_tokens": 2}', "speculative_config.method"),
         ("[1, 2]", "speculative_config"),
         ("{method: ngram}", "speculative_config"),
@@ -337,3 +347,22 @@ def test_per_request_counts_sum_to_the_engine_counts(tiny_loaded: LoadedModel) -
     assert engine.scheduler.num_preemptions > 0
     plain = engine_for(tiny_loaded, None).generate(prompts[:1], GREEDY)
     assert plain[0].speculation is None
+
+
+def test_no_drafts_above_disable_by_batch_size(tiny_loaded: LoadedModel) -> None:
+    """With disable_by_batch_size=2, no step with more than 2 sequences drafts (all are admitted in the
+    first step, so a step's chunks are the sequences running when it starts), later steps with fewer
+    do, and the bits are plain decoding's throughout. Without the limit, steps of 3+ draft."""
+    prompts = copy_heavy_prompts(tiny_loaded.spec.vocab_size, 5, seed=14)
+    lengths = [8, 12, 16, 40, 48]  # the batch shrinks as the short ones finish
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in lengths]
+    reference = [run(tiny_loaded, [p], q, None)[0][0] for p, q in zip(prompts, params, strict=True)]
+    widths = {}
+    for limit in (2, None):
+        config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, disable_by_batch_size=limit)
+        got, engine = run(tiny_loaded, prompts, params, config)
+        assert got == reference
+        assert accepted(engine) > 0
+        widths[limit] = [len(p.chunks) for p in engine.trace if any(c.num_draft_tokens for c in p.chunks)]
+    assert widths[2] and max(widths[2]) <= 2
+    assert max(widths[None]) > 2, "the unlimited engine must draft in wide steps: else this test cannot fail"

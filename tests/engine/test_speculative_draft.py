@@ -41,7 +41,10 @@ def other_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def draft(path: Path, k: int = 4) -> SpeculativeConfig:
-    return SpeculativeConfig(method="draft_model", model=str(path), num_speculative_tokens=k)
+    """Draft with the model at `path`, at any batch size (the mixed batches need drafted rows)."""
+    return SpeculativeConfig(
+        method="draft_model", model=str(path), num_speculative_tokens=k, disable_by_batch_size=None
+    )
 
 
 def test_target_as_its_own_draft(tiny_loaded: LoadedModel, tiny_llama_dir: TinyModel) -> None:

@@ -1,16 +1,23 @@
-"""Single-stream speculative decoding (ngram prompt lookup) vs plain decoding, on copy-heavy prompts and
-on free text, threads 1 and 2, in one run.
+"""Speculative decoding (ngram prompt lookup) vs plain decoding, on copy-heavy prompts and on free text,
+threads 1 and 2, in one run: a single stream, or `--streams N` requests together.
 
 Run by hand from the repository root:
     .venv/bin/python -m bench.bench_spec [--model default] [--threads 1 2] [--output-len 96] [--repeats 3] \
-        [--prompts "copy: repeat a passage" "free text"]
+        [--prompts "copy: repeat a passage" "free text"] [--streams 32] [--disable-by-batch-size N]
+
+With --streams N, each measurement runs N requests of the same prompt kind together (each prompt starts
+with its own "Request i." line), and the figure is their aggregate tokens/s.
 
 Two engines on the same loaded model, one plain and one with
 `{"method": "ngram", "num_speculative_tokens": K}`; each request greedy (end-of-sequence ignored) from an
 empty prefix cache. Plain and speculative runs alternate, so both see the same load on a shared machine;
 the ratio of the medians (tokens / wall time of the request, prefill included) is the figure to read.
 Every speculative output is checked to be bitwise the plain one (token ids and logprob bits) and the
-acceptance counters are printed. llama.cpp's prompt lookup is not run by this script.
+acceptance counters are printed. With --llama-python PATH (a Python with llama-cpp-python), two more
+columns per row, single stream only: llama.cpp plain and llama.cpp with llama-cpp-python's prompt-lookup
+decoding (`LlamaPromptLookupDecoding(num_pred_tokens=K)`), each in its own process
+(bench/llama_cpp_worker.py), on the same GGUF file and prompts, greedy, end-of-sequence banned, from an
+empty cache, alternated with ours; "same text" says the lookup run's text equals llama.cpp plain's.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import struct
 import time
 
 import torch
+
+from bench.llama_cpp_worker import LlamaCppWorker
 
 PASSAGE = (
     "The lighthouse stood at the edge of the northern cliffs for two hundred years. Every night its keeper "
@@ -63,12 +72,33 @@ def one_request(engine: object, prompt: str, output_len: int) -> tuple[float, tu
     return len(output.token_ids) / seconds, (output.token_ids, bits(output.logprobs))
 
 
-def main() -> None:
-    from deterministic_inference.config import EngineConfig
+def many_requests(
+    engine: object, prompt: str, streams: int, output_len: int
+) -> tuple[float, list[tuple[list[int], bytes]]]:
+    """Aggregate tokens/s of `streams` greedy requests run together from an empty prefix cache (each
+    prompt starts with its own stream number, so they share no prefix block), and their outputs."""
     from deterministic_inference.engine.engine import Engine
-    from deterministic_inference.engine.speculative import SpeculativeConfig
-    from deterministic_inference.model.loader import load_model
+    from deterministic_inference.engine.sampling_params import SamplingParams
 
+    assert isinstance(engine, Engine)
+    engine.flush_prefix_cache()
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    prompts = [f"Request {index}.\n{prompt}" for index in range(streams)]
+    start = time.perf_counter()
+    outputs = [o.outputs[0] for o in engine.generate(prompts, params)]
+    seconds = time.perf_counter() - start
+    results = [(o.token_ids, bits(o.logprobs)) for o in outputs]
+    return sum(len(o.token_ids) for o in outputs) / seconds, results
+
+
+def measure(engine: object, prompt: str, streams: int, output_len: int) -> tuple[float, object]:
+    """(tokens/s, outputs) of one run: a single request, or `streams` requests together."""
+    if streams == 1:
+        return one_request(engine, prompt, output_len)
+    return many_requests(engine, prompt, streams, output_len)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default", help="GGUF file or HF directory, or 'default'")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -77,33 +107,107 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--prompts", nargs="+", default=list(PROMPTS), choices=list(PROMPTS),
                         help="which prompts to run (default: all)")
+    parser.add_argument("--streams", type=int, default=1,
+                        help="requests run together per measurement (aggregate tokens/s); default 1")
+    parser.add_argument("--disable-by-batch-size", type=int, default=None,
+                        help="speculative_config.disable_by_batch_size (default: the engine's)")
+    parser.add_argument("--llama-python", default=None,
+                        help="a Python with llama-cpp-python: adds llama.cpp plain and prompt lookup (K "
+                        "tokens) on the same GGUF, single stream")
     args = parser.parse_args()
+    if args.llama_python is not None and args.streams != 1:
+        parser.error("--llama-python: llama.cpp rows are single stream; drop --streams or --llama-python")
+    return args
+
+
+def llama_workers(python: str, gguf: str, threads: int, k: int) -> tuple[LlamaCppWorker, LlamaCppWorker]:
+    """Two llama.cpp processes on `gguf`: plain, and with prompt-lookup decoding of K tokens."""
+    workers = (LlamaCppWorker(python), LlamaCppWorker(python))
+    for worker, lookup in zip(workers, (0, k), strict=True):
+        answer = worker.request(op="load", model=gguf, threads=threads, n_ctx=2048, prompt_lookup=lookup)
+    print(f"llama-cpp-python {answer['version']}, prompt lookup num_pred_tokens={k}")
+    return workers
+
+
+def llama_rate(worker: LlamaCppWorker, prompt: str, output_len: int) -> tuple[float, str]:
+    """tokens/s (prefill included) and text of one greedy llama.cpp request from an empty cache."""
+    answer = worker.request(op="generate", prompt=prompt, max_tokens=output_len)
+    return answer["tokens"] / answer["seconds"], answer["text"]
+
+
+def main() -> None:
+    from deterministic_inference.config import EngineConfig
+    from deterministic_inference.engine.engine import Engine
+    from deterministic_inference.engine.speculative import SpeculativeConfig
+    from deterministic_inference.model.default_model import default_model_path
+    from deterministic_inference.model.loader import load_model
+
+    args = parse_args()
     model = None if args.model == "default" else args.model
     loaded = load_model(model)
-    plain = Engine(EngineConfig(model=model), loaded=loaded)
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=args.k, prompt_lookup_max=4)
-    speculative = Engine(EngineConfig(model=model, speculative_config=spec), loaded=loaded)
-    print(f"model {args.model}, output {args.output_len} tokens, K={args.k}, repeats {args.repeats}")
+    settings = {"max_num_seqs": max(64, args.streams)}
+    plain = Engine(EngineConfig(model=model, **settings), loaded=loaded)
+    spec_fields = {"num_speculative_tokens": args.k, "prompt_lookup_max": 4}
+    if args.disable_by_batch_size is not None:
+        spec_fields["disable_by_batch_size"] = args.disable_by_batch_size
+    spec = SpeculativeConfig(method="ngram", **spec_fields)
+    speculative = Engine(EngineConfig(model=model, speculative_config=spec, **settings), loaded=loaded)
+    gguf = str(default_model_path()) if model is None else model
+    print(f"model {gguf}, {args.streams} stream(s), output {args.output_len} tokens, {spec}, "
+          f"repeats {args.repeats}")
+    llama = "" if args.llama_python is None else f" {'llama tok/s':>11} {'lookup tok/s':>12} {'same text':>9}"
     print(f"{'threads':>7} {'prompt':<28} {'plain tok/s':>11} {'ngram tok/s':>11} {'ratio':>6} "
-          f"{'accepted/drafted':>16} {'same bits':>9}")
+          f"{'accepted/drafted':>16} {'same bits':>9}{llama}")
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for name in args.prompts:
-            prompt = PROMPTS[name]
-            before = speculative.stats()["spec_decode"]
-            plain_rates, spec_rates, same = [], [], True
-            for _ in range(args.repeats):  # alternate: both see the same load
-                rate, reference = one_request(plain, prompt, args.output_len)
-                plain_rates.append(rate)
-                rate, result = one_request(speculative, prompt, args.output_len)
-                spec_rates.append(rate)
-                same = same and result == reference
-            after = speculative.stats()["spec_decode"]
-            accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-            drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
-            p, s = statistics.median(plain_rates), statistics.median(spec_rates)
-            print(f"{threads:>7} {name:<28} {p:>11.1f} {s:>11.1f} {s / p:>5.2f}x "
-                  f"{f'{accepted}/{drafted}':>16} {str(same):>9}")
+        workers = None
+        if args.llama_python is not None:
+            workers = llama_workers(args.llama_python, gguf, threads, args.k)
+        try:
+            for name in args.prompts:
+                row = measure_row(plain, speculative, PROMPTS[name], args, workers)
+                print(f"{threads:>7} {name:<28} {row}")
+        finally:
+            for worker in workers or ():
+                worker.close()
+
+
+def measure_row(
+    plain: object,
+    speculative: object,
+    prompt: str,
+    args: argparse.Namespace,
+    workers: tuple[LlamaCppWorker, LlamaCppWorker] | None,
+) -> str:
+    """One table row: ours plain and ngram (and llama.cpp plain and prompt lookup), alternated
+    `repeats` times so all see the same load; medians."""
+    from deterministic_inference.engine.engine import Engine
+
+    assert isinstance(speculative, Engine)
+    before = speculative.stats()["spec_decode"]
+    rates: dict[str, list[float]] = {"plain": [], "ngram": [], "llama": [], "lookup": []}
+    same, same_text = True, True
+    for _ in range(args.repeats):
+        rate, reference = measure(plain, prompt, args.streams, args.output_len)
+        rates["plain"].append(rate)
+        rate, result = measure(speculative, prompt, args.streams, args.output_len)
+        rates["ngram"].append(rate)
+        same = same and result == reference
+        if workers is not None:
+            rate, text = llama_rate(workers[0], prompt, args.output_len)
+            rates["llama"].append(rate)
+            rate, lookup_text = llama_rate(workers[1], prompt, args.output_len)
+            rates["lookup"].append(rate)
+            same_text = same_text and lookup_text == text
+    after = speculative.stats()["spec_decode"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+    p, s = statistics.median(rates["plain"]), statistics.median(rates["ngram"])
+    row = f"{p:>11.1f} {s:>11.1f} {s / p:>5.2f}x {f'{accepted}/{drafted}':>16} {str(same):>9}"
+    if workers is not None:
+        row += f" {statistics.median(rates['llama']):>11.1f} {statistics.median(rates['lookup']):>12.1f}"
+        row += f" {str(same_text):>9}"
+    return row
 
 
 if __name__ == "__main__":

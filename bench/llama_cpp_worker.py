@@ -7,7 +7,9 @@ same machine load. This file imports only llama_cpp, numpy and the standard libr
 the bench venv's Python without our package. `LlamaCppWorker` is the parent's handle.
 
 Requests (one JSON object per line on stdin; one answer per line on stdout):
-  {"op": "load", "model": PATH, "threads": N, "n_ctx": N, "logits_all": bool}
+  {"op": "load", "model": PATH, "threads": N, "n_ctx": N, "logits_all": bool, "prompt_lookup": K}
+                                                       (prompt_lookup: llama-cpp-python's prompt-lookup
+                                                        decoding drafting K tokens; absent or 0 = off)
   {"op": "generate", "prompt": STR, "max_tokens": N}  -> generated tokens, seconds and seconds to the first
                                                           token (eos banned; no reuse of the last prompt)
   {"op": "perplexity", "ids": [...]}                   -> exp(-mean log p) of ids[1:], seconds
@@ -85,12 +87,23 @@ def _generate(llm: Any, prompt: str, max_tokens: int, bias: dict[int, float] | N
     so without `reset` a repeated prompt would skip its prefill (ours is timed from an empty cache too)."""
     llm.reset()
     start = time.perf_counter()
-    first, tokens = 0.0, 0
-    for _chunk in llm(prompt, max_tokens=max_tokens, temperature=0.0, logit_bias=bias, stream=True):
+    first, tokens, text = 0.0, 0, ""
+    for chunk in llm(prompt, max_tokens=max_tokens, temperature=0.0, logit_bias=bias, stream=True):
         tokens += 1
+        text += chunk["choices"][0]["text"]
         if tokens == 1:
             first = time.perf_counter() - start
-    return {"tokens": tokens, "seconds": time.perf_counter() - start, "first_token_seconds": first}
+    seconds = time.perf_counter() - start
+    return {"tokens": tokens, "seconds": seconds, "first_token_seconds": first, "text": text}
+
+
+def _prompt_lookup(tokens: int) -> Any:
+    """llama-cpp-python's prompt-lookup draft model proposing `tokens` tokens (None when 0)."""
+    if not tokens:
+        return None
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    return LlamaPromptLookupDecoding(num_pred_tokens=tokens)
 
 
 def _handle(state: dict[str, Any], message: dict[str, Any]) -> dict[str, Any]:
@@ -102,7 +115,7 @@ def _handle(state: dict[str, Any], message: dict[str, Any]) -> dict[str, Any]:
         state["llm"] = llama_cpp.Llama(
             model_path=message["model"], n_threads=message["threads"], n_threads_batch=message["threads"],
             n_ctx=message.get("n_ctx", 1024), n_batch=512, logits_all=message.get("logits_all", False),
-            verbose=False,
+            draft_model=_prompt_lookup(message.get("prompt_lookup", 0)), verbose=False,
         )  # fmt: skip
         eos = state["llm"].token_eos()
         state["bias"] = {eos: -1e9} if eos >= 0 else None

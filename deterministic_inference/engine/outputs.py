@@ -36,9 +36,25 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None  # per prompt position (None for position 0)
     prompt_top_logprobs: list[TopLogprobs] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (choice 0)
+    speculation: SpeculationCounts | None = None  # None when the engine runs without speculation
     finished: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # set when the request failed inside the engine (its message)
+
+
+@dataclass(frozen=True)
+class SpeculationCounts:
+    """A request's speculative decoding so far, summed over its choices: the same counts as the
+    engine's `vllm:spec_decode_num_draft_tokens` / `..._num_accepted_tokens` metrics. They say how
+    fast the tokens came, never which: the tokens are plain decoding's whatever was drafted."""
+
+    num_draft_tokens: int = 0  # draft tokens the target verified
+    num_accepted_tokens: int = 0  # of those, the ones equal to the token chosen at their position
+
+    @property
+    def num_rejected_tokens(self) -> int:
+        """Draft tokens verified and not kept."""
+        return self.num_draft_tokens - self.num_accepted_tokens
 
 
 @dataclass
@@ -74,6 +90,7 @@ class RequestDelta:
     finished: bool  # every choice finished, or the request failed
     prompt: PromptData | None = None  # only in the request's first delta
     error: str | None = None  # the request failed inside the engine: this message, no token follows
+    speculation: SpeculationCounts | None = None  # latest totals; None when speculation is off
 
 
 def join_pieces(earlier: CompletionDelta, piece: CompletionDelta) -> CompletionDelta:
@@ -106,6 +123,7 @@ def merge_deltas(first: RequestDelta, second: RequestDelta) -> RequestDelta:
         finished=second.finished,
         prompt=first.prompt or second.prompt,
         error=first.error or second.error,
+        speculation=second.speculation,
     )
 
 
@@ -119,6 +137,7 @@ class OutputAssembler:
         self.prompt = first.prompt
         self.choices = [CompletionOutput(i, [], [], [], "") for i in range(first.prompt.num_choices)]
         self.num_cached_tokens = 0
+        self.speculation: SpeculationCounts | None = None
         self.finished = False
         self.error: str | None = None
         self.add(first)
@@ -135,6 +154,7 @@ class OutputAssembler:
                 choice.finish_reason = piece.finish_reason
                 choice.stop_reason = piece.stop_reason
         self.num_cached_tokens = delta.num_cached_tokens
+        self.speculation = delta.speculation
         self.finished = self.finished or delta.finished
         self.error = self.error or delta.error
 
@@ -166,6 +186,7 @@ class OutputAssembler:
             if prompt.top_logprobs is not None
             else None,
             num_cached_tokens=self.num_cached_tokens,
+            speculation=self.speculation,
             finished=self.finished,
             error=self.error,
         )

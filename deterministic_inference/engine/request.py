@@ -107,6 +107,8 @@ class Request:
         self.num_cached_tokens = 0  # prefix-cache hit length at the last (re)admission
         self.stop_reason: int | str | None = None  # stop token id or stop string that ended it
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # speculation: draft tokens verified for this sequence so far
+        self.num_accepted_tokens = 0  # of those, the ones equal to the token chosen at their position
         # Chained block hashes of this sequence's full blocks (prompt and outputs), filled lazily by
         # KVCacheManager. Tokens never change once known, so they stay valid across preemption.
         self.block_hashes: list[bytes] = []

@@ -17,7 +17,8 @@ its known tokens are computed (`ScheduledChunk.sample`). The plan's chunks are o
 
 Speculation (`speculative`): a running sequence that decodes (one known token left to compute) may add
 drafted tokens to its chunk (`engine/speculative.py` proposes them, within the budget, its max_tokens and
-max_model_len, and only when the pool holds them without preempting anyone). `update` advances
+max_model_len, only while the running sequences are at most `disable_by_batch_size`, and only when the
+pool holds them without preempting anyone). `update` advances
 num_computed_tokens over the verified tokens only and gives back the blocks past the known tokens, so
 the prefix cache (which registers full blocks of computed tokens) never holds an unverified token.
 
@@ -234,11 +235,14 @@ class Scheduler:
             budget -= count
 
     def _propose(self, request: Request, count: int, spare: int) -> list[int]:
-        """Draft tokens for a decoding sequence (empty when speculation is off, the sequence is not
-        decoding its last known token, is constrained, or no n-gram matches)."""
+        """Draft tokens for a decoding sequence (empty when speculation is off, the batch is above
+        `disable_by_batch_size`, the sequence is not decoding its last known token, or nothing is
+        proposed)."""
         config = self.speculative
         start = request.num_computed_tokens
         if config is None or count != 1 or request.num_tokens - start != 1:
+            return []
+        if not config.drafts_at(len(self._running)):
             return []
         if request.params.prompt_logprobs is not None and start < request.num_prompt_tokens:
             return []
@@ -274,6 +278,8 @@ class Scheduler:
             return
         accepted = len(output.accepted.get(sequence_id, []))
         self.spec_stats.record(drafted, accepted, emitted, self._max_draft())
+        request.num_draft_tokens += drafted  # the same counts per sequence, for the request's usage
+        request.num_accepted_tokens += accepted
         length = self._draft_lengths.get(sequence_id)
         if length is not None:
             length.update(drafted, accepted)

@@ -25,7 +25,15 @@ from deterministic_inference.errors import ConfigError
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # drafts per step: more only costs rows when acceptance ends early
-_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+DEFAULT_DISABLE_BY_BATCH_SIZE: int | None = None  # see SpeculativeConfig.disable_by_batch_size
+_FIELDS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "model",
+    "disable_by_batch_size",
+)
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # shortest suffix n-gram looked up (ngram)
     prompt_lookup_max: int = 4  # longest suffix n-gram looked up (ngram)
     model: str | None = None  # draft model path (draft_model)
+    # no drafting in a step that starts with more running sequences than this (None: draft at any
+    # batch size): a batch that large is no longer bound by memory, so verified drafts cost compute
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         field = "speculative_config"
@@ -51,6 +62,9 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ConfigError(f"{field}.{name}: {value!r} must be a positive integer")
+        size = self.disable_by_batch_size
+        if size is not None and (not _is_int(size) or size < 1):
+            raise ConfigError(f"{field}.disable_by_batch_size: {size!r} must be a positive integer or null")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(
                 f"{field}.prompt_lookup_min: {self.prompt_lookup_min} is above prompt_lookup_max "
@@ -88,7 +102,16 @@ class SpeculativeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict (for the manifest and the server's info)."""
-        return {name: getattr(self, name) for name in _FIELDS if getattr(self, name) is not None}
+        # disable_by_batch_size is kept when None: it then means "draft at any batch size"
+        return {
+            name: getattr(self, name)
+            for name in _FIELDS
+            if getattr(self, name) is not None or name == "disable_by_batch_size"
+        }
+
+    def drafts_at(self, num_running: int) -> bool:
+        """True when a step that starts with `num_running` running sequences may draft."""
+        return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
 
 
 def _is_int(value: object) -> bool:

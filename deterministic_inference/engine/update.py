@@ -16,7 +16,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from deterministic_inference.engine.model_runner import ModelRunnerOutput, PromptLogprobs, SampledToken
-from deterministic_inference.engine.outputs import CompletionDelta, PromptData, RequestDelta, join_pieces
+from deterministic_inference.engine.outputs import (
+    CompletionDelta,
+    PromptData,
+    RequestDelta,
+    SpeculationCounts,
+    join_pieces,
+)
 from deterministic_inference.engine.request import ParentRequest, Request, RequestStatus
 from deterministic_inference.engine.step_sampling import failure_message
 
@@ -94,9 +100,20 @@ class StepUpdate:
                     finished=parent.is_finished,
                     prompt=prompt,
                     error=parent.error,
+                    speculation=self._speculation(parent),
                 )
             )
         return deltas
+
+    def _speculation(self, parent: ParentRequest) -> SpeculationCounts | None:
+        """The request's draft and accepted tokens so far over its choices (None without speculation).
+        Read after the scheduler counted this step's drafts (`Scheduler._after_draft`)."""
+        if self.scheduler.speculative is None:
+            return None
+        return SpeculationCounts(
+            num_draft_tokens=sum(s.num_draft_tokens for s in parent.sequences),
+            num_accepted_tokens=sum(s.num_accepted_tokens for s in parent.sequences),
+        )
 
     def _ending_ids(self, request: Request) -> tuple[int, ...]:
         """Token ids that end the sequence as soon as sampled (EOS unless ignore_eos, stop token ids):

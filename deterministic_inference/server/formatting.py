@@ -15,6 +15,7 @@ from typing import Any
 
 from starlette.responses import Response
 
+from deterministic_inference.engine.outputs import RequestOutput
 from deterministic_inference.model.tokenizer import Tokenizer
 
 NON_FINITE_LOGPROB = -9999.0
@@ -146,11 +147,24 @@ def merge_completion_logprobs(parts: Sequence[dict[str, Any]]) -> dict[str, Any]
     return merged
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """OpenAI `usage` with the prompt tokens served from the prefix cache."""
-    return {
+def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """OpenAI `usage` over the outputs of one response (their prompts and choices), with the prompt
+    tokens served from the prefix cache (choice 0 of each prompt). When the engine speculates,
+    `completion_tokens_details` says how many draft tokens were kept (`accepted_prediction_tokens`)
+    and verified but not kept (`rejected_prediction_tokens`): OpenAI's names for predicted outputs,
+    the engine's own per-request counts. Without speculation the field is absent."""
+    prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    completion_tokens = sum(len(choice.token_ids) for output in outputs for choice in output.outputs)
+    document: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(output.num_cached_tokens for output in outputs)},
     }
+    counts = [output.speculation for output in outputs if output.speculation is not None]
+    if counts:
+        document["completion_tokens_details"] = {
+            "accepted_prediction_tokens": sum(c.num_accepted_tokens for c in counts),
+            "rejected_prediction_tokens": sum(c.num_rejected_tokens for c in counts),
+        }
+    return document

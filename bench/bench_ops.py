@@ -1,8 +1,8 @@
 """Op-level costs of the batch-invariant path at SmolLM2-135M shapes (random weights of the real shapes).
 
 Run by hand from the repository root (not a test):
-    .venv/bin/python -m bench.bench_ops [--section linear attention activation step quant quant-step engine]
-        [--threads 1]
+    .venv/bin/python -m bench.bench_ops [--section linear attention activation step quant quant-step engine
+        kv-cache] [--threads 1]
 
 Every table compares variants timed side by side in one run (interleaved rounds, best round kept), so
 read the ratios; absolute times move with the machine's load.
@@ -26,6 +26,7 @@ from deterministic_inference.model.llama import DecoderModel, Numerics
 from deterministic_inference.model.loader import expected_shapes
 from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache, paged_attention
+from deterministic_inference.ops.kv_format import Q8_DTYPE, q8_views
 from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.native import NativeKernels, load, native_kernels
 from deterministic_inference.ops.quant import FORMATS, QuantLinear
@@ -144,6 +145,28 @@ def bench_attention(rounds: int, libraries: Sequence[Path] = ()) -> None:
                 for name, choice in (("sdpa", None), *builds.items())
             }
             print_row(f"{dtype_name} {num_seqs}x{n} @ {context}", best_times(fns, rounds), "sdpa")
+
+
+def bench_kv_cache(rounds: int) -> None:
+    """The attention kernel over a bf16 KV cache vs a q8_0 one (--kv-cache-dtype), one layer: decode rows
+    of 32 streams, one decode row and one 64-token chunk at a 6k context."""
+    cases = [(32, 1, 256), (32, 1, 1024), (1, 1, 6144), (1, 64, 6144)]
+    kernels, scale = native_kernels(), SMOLLM2.head_dim**-0.5
+    print(f"\n### attention over the KV cache, one layer: ms per call (ratio to bf16); {kernels.digest}")
+    print("| S x n @ context | bf16 cache | q8_0 cache |\n|---|---|---|")
+    for num_seqs, n, context in cases:
+        q, k_cache, v_cache, meta = _attention_inputs(num_seqs, n, context, torch.bfloat16)
+        k8, v8 = new_kv_cache(k_cache.shape[0], BLOCK, SMOLLM2.num_kv_heads, SMOLLM2.head_dim, Q8_DTYPE)
+        views = q8_views(k8, v8)
+        for values in (views.key_values, views.value_values):
+            values.copy_(torch.randint(-127, 128, values.shape, dtype=torch.int8))
+        for scales in (views.key_scales, views.value_scales):
+            scales.copy_(torch.rand(scales.shape) / 64)
+        fns = {
+            name: functools.partial(paged_attention, q, keys, values, meta, scale=scale, kernels=kernels)
+            for name, keys, values in (("bf16", k_cache, v_cache), ("q8_0", k8, v8))
+        }
+        print_row(f"{num_seqs}x{n} @ {context}", best_times(fns, rounds), "bf16")
 
 
 def bench_activation(rounds: int) -> None:
@@ -378,6 +401,8 @@ def main() -> None:
         bench_quant(args.rounds)
     if "quant-step" in args.section:  # not in the default sections: ~1 GB of weights per format
         bench_quant_step(args.rounds, ("Q4_0", "Q8_0", "Q4_K"))
+    if "kv-cache" in args.section:  # not in the default sections (issue 36's KV cache formats)
+        bench_kv_cache(args.rounds)
     if "engine" in args.section:  # not in the default sections: several minutes
         bench_engine_numerics(args.concurrency, 128, 128, not args.no_hf)
 

@@ -22,6 +22,10 @@ DTYPES = ("auto", "float32", "bfloat16")
 # auto: GGUF weights as stored (quantized blocks stay quantized), HF safetensors in `dtype`;
 # none: every weight dequantised to `dtype`; q8_0: float weights quantized to Q8_0 at load
 QUANTIZATIONS = ("auto", "none", "q8_0")
+# the KV cache's format (ops/kv_format.py): auto = the model dtype; q8_0 = 32 int8 + an fp32 scale per 32
+KV_CACHE_DTYPES = ("auto", "bf16", "q8_0")
+# the resolved cache format's name in the numerics, by option value (auto: the model dtype's name)
+_KV_CACHE_NAMES = {"bf16": "bfloat16", "q8_0": "q8_0"}
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class EngineConfig:
     batch_invariant: bool = True  # False = plain torch ops (benchmarks, negative controls)
     linear_tile_rows: int = 4  # sets the self-check's probe batch sizes (T-1, T+1, 2T+3); in manifests
     kv_block_size: int = 16  # tokens per paged KV-cache block (also the prefix-cache unit)
+    kv_cache_dtype: str = "auto"  # the KV cache's format: one of KV_CACHE_DTYPES (numerics)
     num_kv_blocks: int | None = None  # KV pool blocks; None = as many as fit kv_cache_memory
     kv_cache_memory: int | None = None  # KV pool cap in bytes; None = 2 GiB (at least one full context)
     max_model_len: int | None = None  # None = the model's context length
@@ -55,6 +60,10 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(
                 f"quantization: {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"--kv-cache-dtype: {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
             )
         _positive("linear_tile_rows", self.linear_tile_rows)
         _positive("kv_block_size", self.kv_block_size)
@@ -93,7 +102,9 @@ class EngineConfig:
         enters as a map tensor class -> formats (layer index dropped, e.g. "mlp.down_proj.weight" ->
         "q4_k+q6_k") plus a digest of the whole per-tensor map, so a file whose formats differ per layer
         cannot share a fingerprint with another mix. `model_ops` (`DecoderModel.model_ops`: the ops beyond
-        the Llama block's, e.g. sliding-window attention) enter by name when there are any."""
+        the Llama block's, e.g. sliding-window attention) enter by name when there are any. The KV cache's
+        format enters as `kv_cache_dtype` only when it differs from the model dtype (auto, and bf16 under
+        a bf16 model, store the same bits and keep the fingerprint they always had)."""
         from deterministic_inference.ops import OPS_REVISION
         from deterministic_inference.ops.native_build import source_digest
 
@@ -111,6 +122,9 @@ class EngineConfig:
             numerics["weight_formats_digest"] = _sha256_json(weight_formats)
         if model_ops:
             numerics["model_ops"] = list(model_ops)
+        kv_cache = _KV_CACHE_NAMES.get(self.kv_cache_dtype, resolved_dtype)
+        if kv_cache != resolved_dtype:
+            numerics["kv_cache_dtype"] = kv_cache
         return numerics
 
     def numerics_digest(self, resolved_dtype: str, weight_formats: dict[str, str] | None = None) -> str:

@@ -16,6 +16,12 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama32_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """Tiny random Llama with 2 query heads on 1 KV head of head_dim 32: one q8_0 KV group per 32 values."""
+    return build_hf_model(tmp_path_factory.mktemp("tiny-llama32"), "llama", heads=(2, 1, 32))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     """Tiny random Qwen2 HF directory (q/k/v biases, untied lm_head)."""
     return build_hf_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")

@@ -68,7 +68,13 @@ def build_tokenizer(vocab_size: int = 300) -> Any:
     return tok
 
 
-def _config(architecture: str, vocab_size: int, tie: bool, max_positions: int = 512) -> Any:
+def _config(
+    architecture: str,
+    vocab_size: int,
+    tie: bool,
+    max_positions: int = 512,
+    heads: tuple[int, int, int] = (4, 2, 16),
+) -> Any:
     import transformers
 
     common: dict[str, Any] = dict(
@@ -76,9 +82,9 @@ def _config(architecture: str, vocab_size: int, tie: bool, max_positions: int = 
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        num_attention_heads=heads[0],
+        num_key_value_heads=heads[1],
+        head_dim=heads[2],
         max_position_embeddings=max_positions,
         rms_norm_eps=1e-5,
         rope_theta=100000.0,
@@ -114,14 +120,18 @@ def _model(architecture: str, config: Any, seed: int) -> Any:
 
 
 def build_hf_model(
-    directory: Path, architecture: str = "llama", tie: bool | None = None, seed: int = 0
+    directory: Path,
+    architecture: str = "llama",
+    tie: bool | None = None,
+    seed: int = 0,
+    heads: tuple[int, int, int] = (4, 2, 16),  # (query heads, KV heads, head_dim)
 ) -> TinyModel:
     """Write a tiny random HF model (safetensors + tokenizer.json + tokenizer_config.json) to
     `directory`. llama: tied embeddings, BOS added; qwen2: untied, no BOS; qwen3: tied, no BOS."""
     tokenizer = build_tokenizer()
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     tie = architecture != "qwen2" if tie is None else tie
-    model = _model(architecture, _config(architecture, vocab, tie), seed)
+    model = _model(architecture, _config(architecture, vocab, tie, heads=heads), seed)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory), safe_serialization=True)
     tokenizer.save(str(directory / "tokenizer.json"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from deterministic_inference.config import DTYPES, QUANTIZATIONS, EngineConfig, parse_bytes
+from deterministic_inference.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, parse_bytes
 from deterministic_inference.engine.speculative import SpeculativeConfig
 
 
@@ -21,6 +21,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         help="auto: GGUF weights as stored, HF in --dtype; none: dequantise all to --dtype; q8_0: quantize "
         "float weights to Q8_0 at load",
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+        help="KV cache format: auto (the model dtype), bf16, or q8_0 (32 int8 values and an fp32 scale per "
+        "32, 0.56x bf16's bytes; exact and batch invariant, recorded in the fingerprint)",
     )
     group.add_argument("--no-batch-invariant", action="store_true", help="plain torch ops (not reproducible)")
     group.add_argument("--no-prefix-cache", action="store_true", help="disable automatic prefix caching")
@@ -61,6 +68,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         batch_invariant=not args.no_batch_invariant,
         enable_prefix_caching=not args.no_prefix_cache,
         max_num_seqs=args.max_num_seqs,

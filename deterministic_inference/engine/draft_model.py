@@ -49,7 +49,10 @@ class DraftModelProposer:
                 f"{field}: the draft's vocabulary has {loaded.spec.vocab_size} tokens, the target's "
                 f"{vocab_size}; use a draft model with the target's vocabulary"
             )
-        config = target.replace(model=path, num_kv_blocks=None, speculative_config=None)
+        # the draft's own cache stays in the model dtype: its proposals never change a bit (kv_cache_dtype)
+        config = target.replace(
+            model=path, num_kv_blocks=None, speculative_config=None, kv_cache_dtype="auto"
+        )
         self.max_model_len = min(max_model_len, loaded.spec.max_position_embeddings)
         model = build_model(loaded, config, dtype_name, self.max_model_len)
         num_blocks = choose_num_kv_blocks(config, loaded.spec, self.max_model_len, dtype_name)

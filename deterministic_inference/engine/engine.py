@@ -39,6 +39,7 @@ from deterministic_inference.engine.setup import (
     build_model,
     choose_num_kv_blocks,
     keep_freed_memory,
+    kv_cache_format,
     model_numerics,
     release_freed_memory,
     resolve_dtype,
@@ -76,6 +77,7 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         self.spec = self.loaded.spec
         self.dtype_name = resolve_dtype(config.dtype, config.batch_invariant)
+        self.kv_cache_format = kv_cache_format(config, self.spec, self.dtype_name)  # refuses before the build
         self.max_model_len = min(
             config.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings
         )
@@ -109,7 +111,8 @@ class Engine:
         config = self.config
         selfcheck = None
         if config.batch_invariant and config.selfcheck:
-            selfcheck = SelfCheck(self.spec, model_numerics(config, self.dtype_name), config.threads)
+            numerics = model_numerics(config, self.dtype_name)
+            selfcheck = SelfCheck(self.spec, numerics, config.threads, self.kv_cache_format)
         report: SelfCheckReport | None = None
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="detinf-digest") as hashing:
             digest = hashing.submit(artifacts_digest, self.loaded.artifacts)
@@ -149,7 +152,10 @@ class Engine:
             self.scheduler.draft_model = DraftModelProposer(
                 spec.model, config, self.dtype_name, self.spec.vocab_size, self.max_model_len
             )
-        self.runner = ModelRunner(self.model, num_blocks, config.kv_block_size, self.faults.sample_fn())
+        self.runner = ModelRunner(
+            self.model, num_blocks, config.kv_block_size, self.faults.sample_fn(),
+            self.kv_cache_format,
+        )  # fmt: skip
         self.limits = AdmissionLimits(
             self.spec.vocab_size,
             self.max_model_len,

@@ -69,7 +69,12 @@ class ModelRunner:
     """Owns the paged KV cache tensors and executes step plans on a `DecoderModel`."""
 
     def __init__(
-        self, model: DecoderModel, num_blocks: int, block_size: int, sample_fn: SampleFn | None = None
+        self,
+        model: DecoderModel,
+        num_blocks: int,
+        block_size: int,
+        sample_fn: SampleFn | None = None,
+        cache_dtype: torch.dtype | None = None,  # the KV cache format (torch.int8: q8_0); None: model dtype
     ) -> None:
         spec = model.spec
         self.model = model
@@ -77,9 +82,9 @@ class ModelRunner:
         self.masks = MaskFiller(spec.vocab_size)  # grammar masks, filled beside the forward pass
         self.block_size = block_size
         self.num_blocks = num_blocks
-        dtype = model.numerics.dtype
-        # kv_caches[layer] = (keys [blocks, KVH, D, block_size], values [blocks, KVH, block_size, D]);
-        # resident only where written (see kv_memory)
+        dtype = model.numerics.dtype if cache_dtype is None else cache_dtype
+        # kv_caches[layer] = (keys [blocks, KVH, D, block_size], values [blocks, KVH, block_size, D]) in the
+        # cache format (ops/kv_format.py); resident only where written (see kv_memory)
         self.kv_caches = lazy_kv_caches(
             len(model.layers), num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype
         )

@@ -15,6 +15,7 @@ from deterministic_inference.model.llama import DecoderModel, Numerics
 from deterministic_inference.model.loader import LoadedModel
 from deterministic_inference.model.quantization import apply_quantization
 from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.ops.kv_format import Q8_DTYPE, Q8_GROUP, cache_dtype
 from deterministic_inference.ops.native import native_kernels
 from deterministic_inference.ops.repack import give_back_superseded
 
@@ -117,13 +118,26 @@ def build_model(
     return model
 
 
+def kv_cache_format(config: EngineConfig, spec: ModelSpec, dtype_name: str) -> torch.dtype:
+    """The torch dtype of the KV cache tensors for `--kv-cache-dtype` (torch.int8: q8_0). ConfigError,
+    naming the option, when q8_0 cannot store this model's heads (head_dim not a multiple of 32)."""
+    dtype = cache_dtype(config.kv_cache_dtype, DTYPES[dtype_name])
+    if dtype == Q8_DTYPE and spec.head_dim % Q8_GROUP:
+        raise ConfigError(
+            f"--kv-cache-dtype q8_0: this model's head_dim {spec.head_dim} is not a multiple of {Q8_GROUP}; "
+            "use --kv-cache-dtype auto or bf16"
+        )
+    return dtype
+
+
 def choose_num_kv_blocks(config: EngineConfig, spec: ModelSpec, max_model_len: int, dtype_name: str) -> int:
     """The pool's block count: `num_kv_blocks` when set; else as many blocks as fit `kv_cache_memory`
     (ConfigError when not even one does); else as many as fit DEFAULT_KV_CACHE_BYTES, at least one full
-    context. The pool is address space: memory becomes resident as blocks are used (kv_memory)."""
+    context; blocks sized in the `--kv-cache-dtype` format. The pool is address space: memory becomes
+    resident as blocks are used (kv_memory)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = kv_block_bytes(spec, config.kv_block_size, DTYPES[dtype_name])
+    per_block = kv_block_bytes(spec, config.kv_block_size, kv_cache_format(config, spec, dtype_name))
     if config.kv_cache_memory is not None:
         if config.kv_cache_memory < per_block:
             raise ConfigError(

@@ -24,6 +24,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from deterministic_inference.ops.kv_format import (
+    Q8_DTYPE,
+    Q8Views,
+    cache_head_dim,
+    cache_shapes,
+    dequantized_cache,
+    q8_views,
+    quantize_q8_0,
+)
 from deterministic_inference.ops.native import NativeKernels
 
 
@@ -94,10 +103,10 @@ class AttentionMetadata:
 def new_kv_cache(
     num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed (keys [num_blocks, KVH, D, block_size], values [num_blocks, KVH, block_size, D])."""
-    keys = torch.zeros((num_blocks, kv_heads, head_dim, block_size), dtype=dtype)
-    values = torch.zeros((num_blocks, kv_heads, block_size, head_dim), dtype=dtype)
-    return keys, values
+    """Zeroed (keys [num_blocks, KVH, D, block_size], values [num_blocks, KVH, block_size, D]); dtype
+    torch.int8: a q8_0 cache (ops/kv_format.py's layouts)."""
+    key_shape, value_shape = cache_shapes(num_blocks, block_size, kv_heads, head_dim, dtype)
+    return torch.zeros(key_shape, dtype=dtype), torch.zeros(value_shape, dtype=dtype)
 
 
 def write_kv(
@@ -107,11 +116,27 @@ def write_kv(
     v: torch.Tensor,  # [T, KVH, D]
     meta: AttentionMetadata,
 ) -> None:
-    """Store the step's new keys and values in their cache slots (copies: exact)."""
+    """Store the step's new keys and values in their cache slots (copies: exact; a q8_0 cache stores
+    each token's vectors quantized by `quantize_q8_0`, from the values as the model dtype holds them)."""
     _check_blocks(k_cache, meta)
     index = (meta.write_blocks, meta.write_offsets)
+    if k_cache.dtype == Q8_DTYPE:
+        _write_q8(q8_views(k_cache, v_cache), k, v, index)
+        return
     k_cache.permute(0, 3, 1, 2).index_put_(index, k.to(k_cache.dtype))  # view [blocks, slot, KVH, D]
     v_cache.permute(0, 2, 1, 3).index_put_(index, v.to(v_cache.dtype))
+
+
+def _write_q8(
+    views: Q8Views, k: torch.Tensor, v: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    """k, v [T, KVH, D] quantized (`quantize_q8_0`) into a q8_0 cache's slots `index` (blocks, offsets)."""
+    key_values, key_scales = quantize_q8_0(k.float())  # [T, KVH, D], [T, KVH, D / 32]
+    value_values, value_scales = quantize_q8_0(v.float())
+    views.key_values.permute(0, 3, 1, 2).index_put_(index, key_values)  # view [blocks, slot, KVH, D]
+    views.key_scales.permute(0, 3, 1, 2).index_put_(index, key_scales)
+    views.value_values.permute(0, 2, 1, 3).index_put_(index, value_values)
+    views.value_scales.permute(0, 2, 1, 3).index_put_(index, value_scales)
 
 
 def paged_attention(
@@ -171,11 +196,15 @@ def _check_blocks(k_cache: torch.Tensor, meta: AttentionMetadata) -> None:
 def sequence_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, table: Sequence[int], length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values 0..length-1 of one sequence as fp32 [KVH, length, D] each (copies: exact)."""
+    """Keys and values 0..length-1 of one sequence as fp32 [KVH, length, D] each (copies: exact; a q8_0
+    cache's dequantized values)."""
     blocks = torch.tensor(table, dtype=torch.int64)
-    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
-    keys = k_cache[blocks].permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)[:, :length]
-    values = v_cache[blocks].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :length]
+    kv_heads, head_dim = k_cache.shape[1], cache_head_dim(k_cache)
+    k_blocks, v_blocks = k_cache[blocks], v_cache[blocks]
+    if k_cache.dtype == Q8_DTYPE:
+        k_blocks, v_blocks = dequantized_cache(k_blocks, v_blocks)
+    keys = k_blocks.permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)[:, :length]
+    values = v_blocks.permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :length]
     return keys.float(), values.float()
 
 

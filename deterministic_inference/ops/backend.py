@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from deterministic_inference.model.spec import RopeScaling
 from deterministic_inference.ops.attention import AttentionMetadata, paged_attention, write_kv
+from deterministic_inference.ops.kv_format import cache_head_dim
 from deterministic_inference.ops.linear import Linear, LinearWeight
 from deterministic_inference.ops.moe import combine_native, combine_torch, route_native, route_torch
 from deterministic_inference.ops.native import NativeKernels, native_kernels
@@ -311,7 +312,7 @@ class TorchBackend:
     ) -> torch.Tensor:
         """rotary.apply in the model dtype (HF's rounding), then index_put into the cache."""
         tokens = qkv.shape[0]
-        kv_heads, dim = kv_cache[0].shape[1], kv_cache[0].shape[2]
+        kv_heads, dim = kv_cache[0].shape[1], cache_head_dim(kv_cache[0])
         q, k, v = split_heads(qkv, tokens, (heads, kv_heads, dim))
         q = rotary.apply(q, positions)
         write_kv(kv_cache[0], kv_cache[1], rotary.apply(k, positions), v, meta)

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from deterministic_inference.ops.attention import AttentionMetadata
+from deterministic_inference.ops.kv_format import cache_code, cache_head_dim
 from deterministic_inference.ops.linear import Linear
-from deterministic_inference.ops.native import NativeKernels
+from deterministic_inference.ops.native import NativeKernels, check_caches
 from deterministic_inference.ops.rope import RotaryTable
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class _Step(ctypes.Structure):
     _fields_ = [
         *((name, _I64) for name in ("tokens", "hidden", "heads", "kv_heads", "head_dim", "inter")),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("model_bf16", _I64), ("flags", _I64),
+        ("kv_dtype", _I64),
         ("positions", _P), ("cos", _P), ("sin", _P), ("table_rows", _I64),
         *((name, _P) for name in ("write_blocks", "write_offsets", "block_ids", "row_table", "row_keys")),
         ("num_ids", _I64), ("num_blocks", _I64), ("block_size", _I64),
@@ -207,18 +209,19 @@ class FusedDecoder:
             )
 
     def _check_caches(self, kv_caches: Sequence[KVCache]) -> None:
-        """The C code trusts its pointers: every layer's cache of the model dtype and the first's shape."""
+        """The C code trusts its pointers: every layer's cache of one format (fp32, bf16 or q8_0) and the
+        first's shape, made for the model's heads."""
         first = kv_caches[0][0]
         spec = self.spec
-        if first.shape[1:3] != (spec.num_kv_heads, spec.head_dim):
+        if first.shape[1] != spec.num_kv_heads or cache_head_dim(first) != spec.head_dim:
             raise ValueError("fused decoder: the KV cache does not match the model's heads")
         for keys, values in kv_caches:
-            if keys.shape != first.shape or keys.dtype != self.dtype or values.dtype != self.dtype:
-                raise ValueError(f"fused decoder: every layer's cache must be {self.dtype} of one shape")
-            if values.shape != (first.shape[0], first.shape[1], first.shape[3], first.shape[2]):
-                raise ValueError("fused decoder: the value cache does not match the key cache")
-            if not (keys.is_contiguous() and values.is_contiguous()):
-                raise ValueError("fused decoder: the caches must be contiguous")
+            if keys.shape != first.shape or keys.dtype != first.dtype:
+                raise ValueError("fused decoder: every layer's cache must be of one format and shape")
+            try:
+                check_caches(keys, values)
+            except ValueError as error:
+                raise ValueError(f"fused decoder: {error}") from None
 
     def _step(
         self,
@@ -240,10 +243,10 @@ class FusedDecoder:
         normed, qkv, att, delta, gate_up, act, q32, att32 = itertools.accumulate(sizes[:-1], initial=base)
         step = _Step(
             tokens, spec.hidden_size, heads, kv_heads, dim, spec.intermediate_size, spec.rms_norm_eps,
-            dim**-0.5, int(dtype == torch.bfloat16), flags, index[0].data_ptr(), rotary.cos.data_ptr(),
-            rotary.sin.data_ptr(), rotary.cos.shape[0], *(t.data_ptr() for t in index[1:]),
-            meta.block_ids.shape[0], keys.shape[0], keys.shape[3], normed, qkv, q32, att32, att, delta,
-            gate_up, act,
+            dim**-0.5, int(dtype == torch.bfloat16), flags, cache_code(keys), index[0].data_ptr(),
+            rotary.cos.data_ptr(), rotary.sin.data_ptr(), rotary.cos.shape[0],
+            *(t.data_ptr() for t in index[1:]), meta.block_ids.shape[0], keys.shape[0], keys.shape[3], normed,
+            qkv, q32, att32, att, delta, gate_up, act,
         )  # fmt: skip
         return step, [*index, scratch]
 

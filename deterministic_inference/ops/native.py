@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from deterministic_inference.ops.kv_format import Q8_DTYPE, Q8_GROUP, cache_code, cache_head_dim, cache_shapes
 from deterministic_inference.ops.native_build import build, isa_flags
 
 
@@ -27,8 +28,8 @@ class NativeKernels:
     def attention(
         self,
         q: torch.Tensor,  # [T, H, D] fp32 contiguous
-        k_cache: torch.Tensor,  # [num_blocks, KVH, D, block] fp32 or bf16 contiguous (keys transposed)
-        v_cache: torch.Tensor,  # [num_blocks, KVH, block, D] same dtype
+        k_cache: torch.Tensor,  # [num_blocks, KVH, D, block] fp32, bf16 or q8_0 (int8), keys transposed
+        v_cache: torch.Tensor,  # [num_blocks, KVH, block, D] same dtype (ops/kv_format.py: q8_0 layouts)
         block_ids: torch.Tensor,  # [K] int64: block tables of the sequences, one after another
         row_table: torch.Tensor,  # [T] int64: where token t's block table starts in `block_ids`
         row_keys: torch.Tensor,  # [T] int64: how many keys token t sees (its position + 1)
@@ -58,7 +59,7 @@ class NativeKernels:
         ):
             raise ValueError("attention kernel: tile, row range or per-row tensors do not match q")
         status = self.library.detinf_attention_window(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_code(k_cache),
             block_ids.data_ptr(), block_ids.shape[0], row_table.data_ptr(), row_keys.data_ptr(),
             None if row_first is None else row_first.data_ptr(), first, end,
             q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[3], k_cache.shape[0], scale, softcap,
@@ -138,20 +139,21 @@ class NativeKernels:
         sin: torch.Tensor,  # [P, D] fp32
         write_blocks: torch.Tensor,  # [T] int64
         write_offsets: torch.Tensor,  # [T] int64
-        k_cache: torch.Tensor,  # [blocks, KVH, D, block] model dtype
-        v_cache: torch.Tensor,  # [blocks, KVH, block, D] model dtype
+        k_cache: torch.Tensor,  # [blocks, KVH, D, block] fp32, bf16 or q8_0 (ops/kv_format.py)
+        v_cache: torch.Tensor,  # [blocks, KVH, block, D] the same format
         heads: int,
     ) -> torch.Tensor:
-        """Rotate q and k by position (rotate-half, HF's rounding), write k and v to their cache slots;
-        -> rotated q [T, H, D] fp32. Elementwise per token: invariant by construction."""
-        num_blocks, kv_heads, dim, block = k_cache.shape
-        _check_activations((qkv, k_cache, v_cache), qkv.dtype)
+        """Rotate q and k by position (rotate-half, HF's rounding), write k and v to their cache slots
+        (as the model dtype rounds them; then rounded to a bf16 cache, or quantized per 32 values into
+        a q8_0 one); -> rotated q [T, H, D] fp32. Elementwise per token: invariant by construction."""
+        num_blocks, kv_heads, _, block = k_cache.shape
+        dim = cache_head_dim(k_cache)
+        _check_activations((qkv,), qkv.dtype)
+        check_caches(k_cache, v_cache)
         _check_indices((positions, write_blocks, write_offsets))
         tokens = qkv.shape[0]
         if qkv.dim() != 2 or qkv.shape[1] != (heads + 2 * kv_heads) * dim or dim > 1024 or dim % 2:
             raise ValueError("rotary_write_kv: qkv width does not match the heads and the cache")
-        if v_cache.shape != (num_blocks, kv_heads, block, dim):
-            raise ValueError("rotary_write_kv: the value cache does not match the key cache")
         if any(index.shape != (tokens,) for index in (positions, write_blocks, write_offsets)):
             raise ValueError("rotary_write_kv: positions, blocks and offsets need one entry per token")
         tables_ok = cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape
@@ -170,6 +172,7 @@ class NativeKernels:
             qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), write_blocks.data_ptr(),
             write_offsets.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tokens, heads,
             kv_heads, dim, block, num_blocks, cos.shape[0], int(qkv.dtype == torch.bfloat16),
+            cache_code(k_cache),
         )  # fmt: skip
         if status != 0:
             raise ValueError("rotary_write_kv: a position, cache block or slot offset is out of range")
@@ -231,19 +234,28 @@ def _check_inputs(
     """The C code trusts its pointers: refuse anything it would misread."""
     if q.dtype != torch.float32 or out.dtype != torch.float32 or q.shape != out.shape:
         raise ValueError("attention kernel: q and out must be fp32 tensors of the same shape")
-    if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
-        raise ValueError("attention kernel: caches must both be fp32 or both bf16")
-    num_blocks, kv_heads, head_dim, block = k_cache.shape
-    if (
-        v_cache.shape != (num_blocks, kv_heads, block, head_dim)
-        or head_dim != q.shape[2]
-        or q.shape[1] % kv_heads
-    ):
+    check_caches(k_cache, v_cache)
+    if cache_head_dim(k_cache) != q.shape[2] or q.shape[1] % k_cache.shape[1]:
         raise ValueError("attention kernel: cache shapes do not match q")
-    for tensor in (q, k_cache, v_cache, out):
+    for tensor in (q, out):
         if not tensor.is_contiguous():
             raise ValueError("attention kernel: every tensor must be contiguous")
     _check_indices(index_tensors)
+
+
+def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Both caches contiguous, of one format (fp32, bf16 or q8_0) and of matching layouts."""
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError("KV cache: keys and values must have one format")
+    cache_code(k_cache)  # raises for a dtype no kernel reads
+    num_blocks, kv_heads, _, block = k_cache.shape
+    dim = cache_head_dim(k_cache)
+    if k_cache.dtype == Q8_DTYPE and dim % Q8_GROUP:
+        raise ValueError(f"KV cache: q8_0 needs head_dim a multiple of {Q8_GROUP}, not {dim}")
+    if (k_cache.shape, v_cache.shape) != cache_shapes(num_blocks, block, kv_heads, dim, k_cache.dtype):
+        raise ValueError("KV cache: the value cache does not match the key cache")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("KV cache: the caches must be contiguous")
 
 
 def packed_numel(out_features: int, in_features: int) -> int:
@@ -298,7 +310,7 @@ def load(path: Path) -> NativeKernels:
     library.detinf_softcap.restype = None
     library.detinf_softcap.argtypes = [pointer, i64, ctypes.c_float]
     library.detinf_rotary_write_kv.restype = ctypes.c_int
-    library.detinf_rotary_write_kv.argtypes = [pointer] * 9 + [i64] * 7 + [ctypes.c_int]
+    library.detinf_rotary_write_kv.argtypes = [pointer] * 9 + [i64] * 7 + [ctypes.c_int, ctypes.c_int]
     library.detinf_pack_bf16.restype = None
     library.detinf_pack_bf16.argtypes = [pointer, i64, i64, pointer]
     library.detinf_gemm_bf16.restype = None

@@ -282,13 +282,16 @@ class AttentionWorld:
         block_size: int = BLOCK_SIZE,
         window: int = 0,  # a sliding window of this many keys (0: none)
         softcap: float = 0.0,  # the scores' soft cap (0: none)
+        cache_dtype: torch.dtype | None = None,  # the cache's format (torch.int8: q8_0); None: `dtype`
     ) -> None:
         heads, kv_heads, head_dim = shape
         self.dtype = dtype
         self.window, self.softcap = window, softcap
         self.block_size = block_size
         per_seq = [-(-length // block_size) for length in lengths]
-        self.k_cache, self.v_cache = new_kv_cache(sum(per_seq) + 1, block_size, kv_heads, head_dim, dtype)
+        self.k_cache, self.v_cache = new_kv_cache(
+            sum(per_seq) + 1, block_size, kv_heads, head_dim, dtype if cache_dtype is None else cache_dtype
+        )
         order = torch.randperm(sum(per_seq) + 1, generator=generator).tolist()
         self.tables = []
         for count, length in zip(per_seq, lengths, strict=True):
@@ -329,18 +332,25 @@ PROBED_WINDOW = 37
 
 
 def attention_probe(
-    spec: ModelSpec, ops: OpsBackend, threads: int, generator: torch.Generator, window: int = 0
+    spec: ModelSpec,
+    ops: OpsBackend,
+    threads: int,
+    generator: torch.Generator,
+    window: int = 0,
+    cache_dtype: torch.dtype | None = None,
 ) -> ProbeResult:
     """Sequence 0's rows: one prefill (one thread) vs chunks, decode alone, decode and prefill beside
     other sequences. `window` > 0: the model's sliding-window attention, probed with a window of
-    min(window, PROBED_WINDOW) keys so that most rows' windows start inside a block (the same code)."""
+    min(window, PROBED_WINDOW) keys so that most rows' windows start inside a block (the same code).
+    `cache_dtype`: the KV cache's format when it is not the model dtype (torch.int8: the q8_0 path)."""
     length = 2 * 64 + 7
     shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
     numerics = ops.numerics
     probed, cap = min(window, PROBED_WINDOW), spec.attn_logit_softcapping
     world = AttentionWorld(
-        shape, numerics.dtype, [length, 3 * 64 + 1, 5], generator, window=probed, softcap=cap
-    )
+        shape, numerics.dtype, [length, 3 * 64 + 1, 5], generator, window=probed, softcap=cap,
+        cache_dtype=cache_dtype,
+    )  # fmt: skip
     with torch_threads(1):
         reference = world.run([(0, 0, length)], numerics.batch_invariant)
     positions = sorted({0, 1, 15, 16, 17, 63, 64, 65, 128, length - 1})
@@ -356,6 +366,8 @@ def attention_probe(
         label += f" window {window} (probed at {probed})"
     if cap:
         label += f" softcap {cap:g}"
+    if cache_dtype is not None and cache_dtype != numerics.dtype:
+        label += f" kv cache {'q8_0' if cache_dtype == torch.int8 else dtype_name(cache_dtype)}"
     compared = 0
     for name, plan in plans.items():
         for items in plan:

@@ -113,9 +113,16 @@ class SelfCheck:
     also shows the thread count does not change bits. Random data comes from one fixed-seed generator
     shared by both passes (the check itself is reproducible)."""
 
-    def __init__(self, spec: ModelSpec, numerics: Numerics, threads: int | None) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        numerics: Numerics,
+        threads: int | None,
+        kv_cache_format: torch.dtype | None = None,  # the KV cache's format (torch.int8: q8_0); None: dtype
+    ) -> None:
         self.spec = spec
         self.numerics = numerics
+        self.kv_cache_format = kv_cache_format
         self.threads = threads if threads is not None else torch.get_num_threads()
         self.generator = torch.Generator().manual_seed(0)
         self.ops = select_backend(numerics)
@@ -131,7 +138,7 @@ class SelfCheck:
         with torch_threads(threads):
             results = elementwise_probes(spec, ops, threads, generator)
             for window in sorted({spec.layer_window(i) for i in range(spec.num_layers)}):
-                results.append(attention_probe(spec, ops, threads, generator, window))
+                results.append(attention_probe(spec, ops, threads, generator, window, self.kv_cache_format))
         self._op_results = results
         self.seconds += time.perf_counter() - start
 

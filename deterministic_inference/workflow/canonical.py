@@ -69,7 +69,11 @@ def digest_json(value: Any) -> str:
 # Engine fields added after schema version 1, with their defaults: they count in a manifest's id only when
 # they differ from the default, so manifests (and the locks and run directories made for them) from
 # before keep their ids.
-LATER_ENGINE_DEFAULTS: dict[str, Any] = {"kv_cache_memory": None, "quantization": "auto"}
+LATER_ENGINE_DEFAULTS: dict[str, Any] = {
+    "kv_cache_memory": None,
+    "quantization": "auto",
+    "kv_cache_dtype": "auto",
+}
 
 
 def manifest_id(manifest: dict[str, Any]) -> str:

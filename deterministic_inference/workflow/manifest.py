@@ -92,6 +92,7 @@ def _engine_defaults() -> dict[str, Any]:
         "num_kv_blocks": None,
         "kv_cache_memory": None,
         "quantization": "auto",
+        "kv_cache_dtype": "auto",
         "selfcheck": True,
     }
 

@@ -59,6 +59,7 @@ def apply_manifest(args: argparse.Namespace, listen_defaults: dict[str, Any]) ->
         "num_kv_blocks": engine["num_kv_blocks"],
         "kv_cache_memory": engine["kv_cache_memory"],
         "quantization": engine["quantization"],
+        "kv_cache_dtype": engine.get("kv_cache_dtype", "auto"),
         "threads": data["runtime"]["threads"],
         "default_seed": engine["seed"],
         "no_selfcheck": not engine["selfcheck"],

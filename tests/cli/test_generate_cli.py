@@ -161,3 +161,36 @@ def test_bad_constraints_are_one_line_naming_the_flag(tiny_llama_dir: TinyModel,
         result = detinf(*base, *args)
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and needle in lines[0], result.stderr
+
+
+def test_kv_cache_dtype_option(tiny_llama_dir: TinyModel, tiny_llama32_dir: TinyModel) -> None:
+    """q8_0 runs and is fingerprinted (another system_fingerprint than auto); an unknown value, or q8_0 on
+    a head_dim it cannot store, is one line naming --kv-cache-dtype, exit 2."""
+    base = (
+        "generate",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "3",
+        "--dtype",
+        "float32",
+        "--no-selfcheck",
+        "--json",
+    )
+    runs = {
+        kv: detinf(*base, "--model", str(tiny_llama32_dir.path), "--kv-cache-dtype", kv)
+        for kv in ("auto", "q8_0")
+    }
+    for result in runs.values():
+        assert result.returncode == 0, result.stderr
+    documents = {kv: json.loads(result.stdout) for kv, result in runs.items()}
+    assert documents["auto"]["system_fingerprint"] != documents["q8_0"]["system_fingerprint"]
+    assert len(documents["q8_0"]["outputs"][0]["output_token_ids"]) == 3
+    for model, value, needles in [
+        (tiny_llama32_dir, "q4_0", ("--kv-cache-dtype", "'q4_0'", "auto, bf16, q8_0")),
+        (tiny_llama_dir, "q8_0", ("--kv-cache-dtype q8_0", "head_dim 16", "auto or bf16")),
+    ]:
+        result = detinf(*base, "--model", str(model.path), "--kv-cache-dtype", value)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.stderr
+        assert all(needle in lines[0] for needle in needles), lines[0]

@@ -1,5 +1,6 @@
 """Engine-level invariance on a tiny random Llama: a prompt's tokens and logprob bits do not depend on
-batch composition, position in the batch, chunked prefill, preemption, threads or sampling mode.
+batch composition, position in the batch, chunked prefill, preemption, threads or sampling mode; with the
+model-dtype KV cache and with `--kv-cache-dtype q8_0` (on a tiny Llama of head_dim 32).
 
 Every comparison is bitwise (float32 bits of the logprobs, exact token ids), and the negative control
 runs the same cases with batch_invariant=False and must find at least one difference.
@@ -63,6 +64,15 @@ def tiny_loaded(tiny_llama_dir: TinyModel) -> LoadedModel:
     return load_model(str(tiny_llama_dir.path))
 
 
+@pytest.fixture(scope="module")
+def tiny32_loaded(tiny_llama32_dir: TinyModel) -> LoadedModel:
+    return load_model(str(tiny_llama32_dir.path))
+
+
+# the model each KV cache format runs on (q8_0 stores 32-value groups: head_dim 32)
+KV_MODELS = {"auto": "tiny_loaded", "q8_0": "tiny32_loaded"}
+
+
 @pytest.fixture
 def restore_threads() -> Iterator[None]:
     before = torch.get_num_threads()
@@ -82,6 +92,7 @@ def run_case(
     case: Case,
     batch_invariant: bool,
     dtype: str = "float32",
+    kv_cache_dtype: str = "auto",
     inspect: Callable[[Engine], None] | None = None,
     **overrides: Any,
 ) -> tuple[Result, int]:
@@ -89,6 +100,7 @@ def run_case(
     further EngineConfig fields; `inspect` sees the engine (with its trace) after the run."""
     settings: dict[str, Any] = dict(
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         batch_invariant=batch_invariant,
         max_num_batched_tokens=case.budget,
         threads=case.threads,
@@ -120,31 +132,52 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("kv", list(KV_MODELS))
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded-T0.8-p0.9"])
 def test_prompt_alone_equals_prompt_in_any_batch(
-    tiny_loaded: LoadedModel, params: SamplingParams, restore_threads: None
+    request: pytest.FixtureRequest, params: SamplingParams, kv: str, restore_threads: None
 ) -> None:
-    target = random_prompts(1, tiny_loaded.spec.vocab_size, seed=7)[0] + list(range(3, 40))
-    alone, _ = run_case(tiny_loaded, target, params, Case(0, "first", 512, 1), batch_invariant=True)
+    loaded: LoadedModel = request.getfixturevalue(KV_MODELS[kv])
+    target = random_prompts(1, loaded.spec.vocab_size, seed=7)[0] + list(range(3, 40))
+    alone, _ = run_case(loaded, target, params, Case(0, "first", 512, 1), True, kv_cache_dtype=kv)
     assert len(alone.token_ids) == params.max_tokens
     preempted = 0
     for case in CASES:
-        result, preemptions = run_case(tiny_loaded, target, params, case, batch_invariant=True)
+        result, preemptions = run_case(loaded, target, params, case, True, kv_cache_dtype=kv)
         preempted += preemptions
         assert result == alone, f"differs in {case}"
     assert preempted > 0, "the small-pool case must actually preempt"
 
 
-def test_negative_control_plain_ops_differ(tiny_loaded: LoadedModel, restore_threads: None) -> None:
+@pytest.mark.parametrize("kv", list(KV_MODELS))
+def test_negative_control_plain_ops_differ(
+    request: pytest.FixtureRequest, kv: str, restore_threads: None
+) -> None:
     """With invariant ops off, the same cases must show a difference, or the test above proves nothing."""
-    target = random_prompts(1, tiny_loaded.spec.vocab_size, seed=7)[0] + list(range(3, 40))
-    alone, _ = run_case(tiny_loaded, target, GREEDY, Case(0, "first", 512, 1), batch_invariant=False)
+    loaded: LoadedModel = request.getfixturevalue(KV_MODELS[kv])
+    target = random_prompts(1, loaded.spec.vocab_size, seed=7)[0] + list(range(3, 40))
+    alone, _ = run_case(loaded, target, GREEDY, Case(0, "first", 512, 1), False, kv_cache_dtype=kv)
     differing = [
-        case
-        for case in CASES
-        if run_case(tiny_loaded, target, GREEDY, case, batch_invariant=False)[0] != alone
+        case for case in CASES if run_case(loaded, target, GREEDY, case, False, kv_cache_dtype=kv)[0] != alone
     ]
     assert differing, "plain ops gave identical bits everywhere: the invariance test cannot fail"
+
+
+def test_q8_kv_cache_changes_the_numbers_and_the_fingerprint(tiny32_loaded: LoadedModel) -> None:
+    """q8_0 is a setting that changes bits on purpose: other logprobs, another fingerprint (auto and bf16
+    under an fp32 model also differ from each other; auto keeps the fingerprint without the field)."""
+    target = random_prompts(1, tiny32_loaded.spec.vocab_size, seed=7)[0]
+    results, fingerprints = {}, {}
+    for kv in ("auto", "bf16", "q8_0"):
+        config = EngineConfig(dtype="float32", kv_cache_dtype=kv, selfcheck=False)
+        engine = Engine(config, loaded=tiny32_loaded)
+        results[kv] = result_of(engine.generate([target], GREEDY)[0])
+        fingerprints[kv] = engine.system_fingerprint
+        assert engine.fingerprint["numerics"].get("kv_cache_dtype") == {"auto": None, "bf16": "bfloat16"}.get(
+            kv, kv
+        )
+    assert results["q8_0"].logprob_bits != results["auto"].logprob_bits
+    assert len(set(fingerprints.values())) == 3
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])

@@ -3,9 +3,12 @@ stored: Q4_1 layers, the Q8_0 embedding as the tied head; bf16 activations where
 
 from __future__ import annotations
 
+import functools
+import math
 import random
 import struct
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from deterministic_inference.model.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 
+PERPLEXITY_TEXT = Path(__file__).parents[2] / "bench" / "perplexity_text.txt"
 SEEDED = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=2024, ignore_eos=True)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -49,10 +53,11 @@ def batch_result(
     budget: int,
     invariant: bool,
     threads: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     config = EngineConfig(
         batch_invariant=invariant, max_num_batched_tokens=budget, enable_prefix_caching=False,
-        selfcheck=False, threads=threads,
+        selfcheck=False, threads=threads, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     engine = Engine(config, loaded=loaded)
     rng = random.Random(others)
@@ -67,14 +72,32 @@ def batch_result(
 TARGET = "Write a short poem about the sea and the wind."
 
 
+@pytest.mark.parametrize("kv", ["auto", "q8_0"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_smollm2_alone_equals_in_batch(
-    smollm2: LoadedModel, params: SamplingParams, restore_threads: None
+    smollm2: LoadedModel, params: SamplingParams, kv: str, restore_threads: None
 ) -> None:
-    """Alone with one thread vs inside mixed batches with chunked prefill, with 2 and 1 threads."""
-    alone = batch_result(smollm2, TARGET, params, others=0, budget=512, invariant=True, threads=1)
-    assert batch_result(smollm2, TARGET, params, others=8, budget=16, invariant=True, threads=2) == alone
-    assert batch_result(smollm2, TARGET, params, others=3, budget=64, invariant=True, threads=1) == alone
+    """Alone with one thread vs inside mixed batches with chunked prefill, with 2 and 1 threads; with the
+    model-dtype KV cache and with --kv-cache-dtype q8_0."""
+    run = functools.partial(batch_result, smollm2, TARGET, params, invariant=True, kv_cache_dtype=kv)
+    alone = run(others=0, budget=512, threads=1)
+    assert run(others=8, budget=16, threads=2) == alone
+    assert run(others=3, budget=64, threads=1) == alone
+
+
+def test_q8_kv_cache_perplexity_is_within_1_percent_of_auto(smollm2: LoadedModel) -> None:
+    """Quality of --kv-cache-dtype q8_0: perplexity of the first 1024 tokens of bench/perplexity_text.txt
+    (prompt logprobs of one prefill) within 1% of the bf16 (auto) cache's. Measured: see bench/RESULTS.md
+    "Issue 36: q8_0 KV cache"."""
+    ids = smollm2.tokenizer.encode(PERPLEXITY_TEXT.read_text())[:1024]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    perplexity = {}
+    for kv in ("auto", "q8_0"):
+        engine = Engine(EngineConfig(kv_cache_dtype=kv, selfcheck=False), loaded=smollm2)
+        logprobs = engine.generate([ids], params)[0].prompt_logprobs
+        assert logprobs is not None
+        perplexity[kv] = math.exp(-float(torch.tensor(logprobs[1:], dtype=torch.float64).mean()))
+    assert abs(perplexity["q8_0"] / perplexity["auto"] - 1) < 0.01, perplexity
 
 
 def test_smollm2_negative_control(smollm2: LoadedModel) -> None:

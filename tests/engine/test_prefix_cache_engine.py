@@ -61,11 +61,21 @@ def run_batches(engine: Engine, prompts: list[list[int]], batch_size: int) -> li
     return results
 
 
-def test_cold_and_warm_cache_equal_no_cache_at_every_batch_size(loaded: LoadedModel) -> None:
+@pytest.fixture(scope="module")
+def loaded32(tiny_llama32_dir: TinyModel) -> LoadedModel:
+    """The tiny Llama of head_dim 32, for the q8_0 KV cache."""
+    return load_model(str(tiny_llama32_dir.path))
+
+
+@pytest.mark.parametrize("kv", ["auto", "q8_0"])
+def test_cold_and_warm_cache_equal_no_cache_at_every_batch_size(
+    request: pytest.FixtureRequest, kv: str
+) -> None:
+    loaded: LoadedModel = request.getfixturevalue("loaded" if kv == "auto" else "loaded32")
     prompts = shared_prefix_prompts(8, prefix_len=70)
-    reference = run_batches(engine_for(loaded, enable_prefix_caching=False), prompts, 8)
+    reference = run_batches(engine_for(loaded, enable_prefix_caching=False, kv_cache_dtype=kv), prompts, 8)
     for batch_size in range(1, 9):
-        engine = engine_for(loaded)
+        engine = engine_for(loaded, kv_cache_dtype=kv)
         cold = run_batches(engine, prompts, batch_size)
         warm = run_batches(engine, prompts, batch_size)
         assert engine.kv.stats.hit_tokens > 0

@@ -154,6 +154,25 @@ def test_speculative_alone_equals_plain(tiny_loaded: LoadedModel, params: Sampli
     assert total > 0, "no draft was ever accepted: the verification path was not exercised"
 
 
+@pytest.fixture(scope="module")
+def tiny32_loaded(tiny_llama32_dir: TinyModel) -> LoadedModel:
+    """The tiny Llama of head_dim 32, for the q8_0 KV cache."""
+    return load_model(str(tiny_llama32_dir.path))
+
+
+def test_speculative_rollback_on_a_q8_kv_cache_equals_plain(tiny32_loaded: LoadedModel) -> None:
+    """Rejected drafts' q8_0 slots are rolled back and rewritten: the bits of plain decoding on q8_0."""
+    prompts = copy_heavy_prompts(tiny32_loaded.spec.vocab_size, 4, seed=1)
+    total = 0
+    for params in (GREEDY, SEEDED):
+        for prompt in prompts:
+            plain = run(tiny32_loaded, [prompt], params, None, kv_cache_dtype="q8_0")[0][0]
+            got, engine = run(tiny32_loaded, [prompt], params, NGRAM, kv_cache_dtype="q8_0")
+            assert got[0] == plain
+            total += accepted(engine)
+    assert total > 0, "no draft was ever accepted: the verification path was not exercised"
+
+
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_speculative_in_mixed_batches_equals_plain(tiny_loaded: LoadedModel, params: SamplingParams) -> None:
     """Speculating and plain rows share steps (a plain-decoding neighbour at T=0.7 without drafts in
@@ -221,8 +240,14 @@ def test_penalties_stops_and_n_equal_plain(tiny_loaded: LoadedModel) -> None:
     text = plain_greedy[3]
     cases = [
         SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, ignore_eos=True, logprobs=2),
-        SamplingParams(max_tokens=24, temperature=0.1, frequency_penalty=0.4, presence_penalty=0.2,
-                       seed=11, ignore_eos=True),
+        SamplingParams(
+            max_tokens=24,
+            temperature=0.1,
+            frequency_penalty=0.4,
+            presence_penalty=0.2,
+            seed=11,
+            ignore_eos=True,
+        ),
         SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(stop_token,), ignore_eos=True),
         SamplingParams(max_tokens=24, temperature=0.0, stop=(text[len(text) // 2 :][:3],), ignore_eos=True),
         SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),

@@ -36,12 +36,17 @@ Run = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.int8:  # a q8_0 cache: its bytes
+        return t.clone()
     return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32).clone()
 
 
-def run_steps(model: DecoderModel, fused: bool, flags: int = 0) -> Run:
-    """(final hidden bits of each step, bits of every cache tensor after the last step)."""
-    spec, dtype = model.spec, model.numerics.dtype
+def run_steps(
+    model: DecoderModel, fused: bool, flags: int = 0, cache_dtype: torch.dtype | None = None
+) -> Run:
+    """(final hidden bits of each step, bits of every cache tensor after the last step); the caches in
+    `cache_dtype` (torch.int8: q8_0), default the model dtype."""
+    spec, dtype = model.spec, model.numerics.dtype if cache_dtype is None else cache_dtype
     caches = [new_kv_cache(8, BLOCK, spec.num_kv_heads, spec.head_dim, dtype) for _ in range(spec.num_layers)]
     generator = torch.Generator().manual_seed(0)
     hidden_bits = []
@@ -142,3 +147,16 @@ def test_phi3_fused_projections_go_through_the_fused_path(tmp_path: Path) -> Non
         model_of(write_arch_gguf(windowed, tmp_path / "phi3w.Q8_0.gguf", quant="Q8_0"), "bfloat16").fused
         is None
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_equals_per_op_on_a_q8_kv_cache_of_the_default_model(dtype: str) -> None:
+    """The q8_0 cache (SmolLM2: head_dim 64): the fused path's write and attention give the per-op path's
+    cache bytes and hidden bits; the q8_0 run differs from the model-dtype cache's (the option is live)."""
+    model = model_of(None, dtype)
+    assert model.fused is not None
+    per_op = run_steps(model, fused=False, cache_dtype=torch.int8)
+    assert same(run_steps(model, fused=True, cache_dtype=torch.int8), per_op)
+    model_dtype_cache = run_steps(model, fused=False)
+    assert not all(torch.equal(x, y) for x, y in zip(per_op[0], model_dtype_cache[0], strict=True))

@@ -40,6 +40,8 @@ HEAD_SHAPES = {
     "dim24": (2, 1, 24),
     "mqa16": (16, 1, 16),
 }
+# with smollm2, the q8_0 cache's shapes (head_dim a multiple of 32; tests/ops/test_attention_q8.py)
+Q8_HEAD_SHAPES = {"smollm2": HEAD_SHAPES["smollm2"], "dim32": (4, 2, 32), "mqa32": (16, 1, 32)}
 BLOCK_SIZES = (16, 8)  # 16: the vectorised score path; 8: the generic path
 LENGTHS = (1, 15, 16, 17, 100)  # around one and two blocks, and a long one
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -59,14 +61,16 @@ class Case:
 
 
 def make_case(dtype: torch.dtype, head_shape: str, block: int, seed: int = 0) -> Case:
-    """Random keys, values and queries (see Case); NaN in every slot no sequence owns."""
-    heads, kv_heads, head_dim = HEAD_SHAPES[head_shape]
+    """Random keys, values and queries (see Case); NaN in every slot no sequence owns (dtype torch.int8: a
+    q8_0 cache, head_dim a multiple of 32)."""
+    heads, kv_heads, head_dim = {**HEAD_SHAPES, **Q8_HEAD_SHAPES}[head_shape]
     generator = torch.Generator().manual_seed(seed)
     per_seq = [-(-length // block) for length in LENGTHS]
     num_blocks = sum(per_seq) + 3  # a few blocks no sequence uses
     k_cache, v_cache = new_kv_cache(num_blocks, block, kv_heads, head_dim, dtype)
-    k_cache.fill_(float("nan"))
-    v_cache.fill_(float("nan"))
+    unused = -1 if dtype == torch.int8 else float("nan")  # q8_0: all-ones bytes, NaN scales
+    k_cache.fill_(unused)
+    v_cache.fill_(unused)
     order = torch.randperm(num_blocks, generator=generator).tolist()
     tables = []
     for count in per_seq:
@@ -283,16 +287,18 @@ def _bad_inputs() -> Iterator[tuple[str, dict[str, Any], str]]:
     yield "bf16 q", {"q": valid["q"].bfloat16()}, "q and out must be fp32"
     yield "fp64 out", {"out": valid["out"].double()}, "q and out must be fp32"
     yield "out shape", {"out": torch.zeros(2, 4, 8)}, "same shape"
-    yield "fp16 caches", {"k_cache": k_cache.half(), "v_cache": v_cache.half()}, "fp32 or both bf16"
-    yield "mixed cache dtypes", {"v_cache": v_cache.bfloat16()}, "fp32 or both bf16"
+    yield "fp16 caches", {"k_cache": k_cache.half(), "v_cache": v_cache.half()}, "not a cache format"
+    yield "mixed cache dtypes", {"v_cache": v_cache.bfloat16()}, "one format"
     yield "non-contiguous keys", {"k_cache": torch.zeros(2, 2, 8, 16).transpose(2, 3)}, "contiguous"
     yield "non-contiguous q", {"q": torch.zeros(2, 16, 4).transpose(1, 2)}, "contiguous"
     yield "non-contiguous block ids", {"block_ids": torch.zeros(4, dtype=torch.int64)[::2]}, "contiguous"
     yield "int32 block ids", {"block_ids": valid["block_ids"].int()}, "int64"
     yield "int32 row table", {"row_table": valid["row_table"].int()}, "int64"
     yield "int32 row keys", {"row_keys": valid["row_keys"].int()}, "int64"
-    yield "values not [blocks, KVH, block, D]", {"v_cache": torch.zeros(2, 2, 16, 8)}, "cache shapes"
-    yield "fewer value blocks", {"v_cache": v_cache[:1].clone()}, "cache shapes"
+    yield "values not [blocks, KVH, block, D]", {"v_cache": torch.zeros(2, 2, 16, 8)}, "match the key cache"
+    yield "fewer value blocks", {"v_cache": v_cache[:1].clone()}, "match the key cache"
+    q8_keys, q8_values = new_kv_cache(2, 8, 2, 16, torch.int8)  # head_dim 16: no whole q8_0 group
+    yield "q8_0 with head dim 16", {"k_cache": q8_keys, "v_cache": q8_values}, "multiple of 32"
     yield "head dim differs from q", {"q": torch.zeros(2, 4, 8), "out": torch.zeros(2, 4, 8)}, "cache shapes"
     three_heads = {"q": torch.zeros(2, 3, 16), "out": torch.zeros(2, 3, 16)}
     yield "heads not a multiple of KV heads", three_heads, "cache shapes"

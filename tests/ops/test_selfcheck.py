@@ -39,6 +39,17 @@ def test_smollm2_shapes_pass_in_a_few_seconds() -> None:
     report.raise_if_failed()
 
 
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_the_q8_kv_cache_is_probed_when_selected(batch_invariant: bool) -> None:
+    """With a q8_0 cache the attention probe runs over it (its label says so) and passes; with plain
+    torch ops (the negative control) it fails."""
+    check = SelfCheck(SMOLLM2, Numerics(torch.bfloat16, batch_invariant, 4), 2, kv_cache_format=torch.int8)
+    check.probe_ops()
+    attention = [r for r in check.probe_weights().results if r.op == "attention"]
+    assert len(attention) == 1 and "kv cache q8_0" in attention[0].shape
+    assert attention[0].ok is batch_invariant, attention[0].detail
+
+
 def test_tiny_qwen3_fp32_passes_and_renders() -> None:
     previous = torch.get_num_threads()
     report = run_selfcheck(TINY_QWEN3, Numerics(torch.float32, True, 8), threads=1)

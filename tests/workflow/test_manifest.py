@@ -41,6 +41,7 @@ BAD_MANIFESTS = [
     ("missing name", {"metadata": {}}, "$.metadata.name: required field is missing"),
     ("tile rows zero", {"engine": {"linear_tile_rows": 0}}, "$.engine.linear_tile_rows"),
     ("bad quantization", {"engine": {"quantization": "q4_0"}}, "$.engine.quantization: 'q4_0' is not"),
+    ("bad kv cache dtype", {"engine": {"kv_cache_dtype": "q4_0"}}, "$.engine.kv_cache_dtype: 'q4_0' is not"),
     ("bad kv size", {"engine": {"kv_cache_memory": "2 parsecs"}}, "$.engine.kv_cache_memory"),
     ("two kv sizes", {"engine": {"kv_cache_memory": "1GiB", "num_kv_blocks": 8}}, "set only one"),
 ]
@@ -133,13 +134,19 @@ inference:
 
 
 def test_later_engine_fields_keep_old_ids_at_their_defaults(tmp_path: Path) -> None:
-    """quantization and kv_cache_memory came after schema version 1: a manifest without them (as
-    written before) and one spelling out their defaults share the id; other values change it."""
+    """quantization, kv_cache_memory and kv_cache_dtype came after schema version 1: a manifest without
+    them (as written before) and one spelling out their defaults share the id; other values change it."""
     old = load_manifest(write_json(tmp_path / "old.json", minimal()))
     assert old.data["engine"]["quantization"] == "auto" and old.data["engine"]["kv_cache_memory"] is None
-    spelled = minimal(engine={"quantization": "auto", "kv_cache_memory": None})
+    assert old.data["engine"]["kv_cache_dtype"] == "auto"
+    spelled = minimal(engine={"quantization": "auto", "kv_cache_memory": None, "kv_cache_dtype": "auto"})
     assert load_manifest(write_json(tmp_path / "spelled.json", spelled)).manifest_id == old.manifest_id
-    for engine in ({"quantization": "none"}, {"kv_cache_memory": "2GiB"}, {"kv_cache_memory": 4096}):
+    for engine in (
+        {"quantization": "none"},
+        {"kv_cache_memory": "2GiB"},
+        {"kv_cache_memory": 4096},
+        {"kv_cache_dtype": "q8_0"},
+    ):
         changed = load_manifest(write_json(tmp_path / "changed.json", minimal(engine=engine)))
         assert changed.manifest_id != old.manifest_id, engine
 
@@ -162,3 +169,14 @@ def test_example_configs_are_valid() -> None:
     assert len(paths) >= 3
     for path in paths:
         load_manifest(path)
+
+
+def test_kv_cache_dtype_reaches_the_engine_config(tmp_path: Path) -> None:
+    from deterministic_inference.workflow.artifacts import ModelLocation
+    from deterministic_inference.workflow.backend_engine import engine_config_for
+
+    for value in ("auto", "q8_0"):
+        document = minimal(engine={"kv_cache_dtype": value})
+        manifest = load_manifest(write_json(tmp_path / f"{value}.json", document))
+        config = engine_config_for(manifest.data, ModelLocation(engine_path=None, root=None))
+        assert config.kv_cache_dtype == value

@@ -73,13 +73,14 @@ static void attend_rows(const attention_args *a, const int64_t *table, int64_t k
         rows_acc[i] = w->acc + (first + i) * dim;
     }
     for (int64_t b = fb; b < num_blocks; b++) {
-        const int64_t offset = (table[b] * a->kv_heads + kvh) * dim * block;
+        const kv_slice keys_b = read_slice(a, table[b], kvh, 0, w->slices);
         for (int64_t i = 0; i < n; i++) rows_scores[i] = w->scores + (first + i) * stride + (b - fb) * block;
         if (block == 16) {
             for (int64_t i = 0; i < n; i++)
-                detinf_rows_scores16(1, rows_q[i], a->k_cache, offset, dim, a->bf16, a->scale, rows_scores[i]);
+                detinf_rows_scores16(1, rows_q[i], keys_b.base, keys_b.offset, dim, keys_b.bf16, a->scale,
+                                     rows_scores[i]);
         } else {
-            load_row(a->k_cache, offset, w->tile, dim * block, a->bf16);
+            load_row(keys_b.base, keys_b.offset, w->tile, dim * block, keys_b.bf16);
             for (int64_t i = 0; i < n; i++) block_scores(rows_q[i], w->tile, dim, block, a->scale, rows_scores[i]);
         }
     }
@@ -102,13 +103,13 @@ static void attend_rows(const attention_args *a, const int64_t *table, int64_t k
     }
     for (int64_t i = 0; i < n; i++) memset(rows_acc[i], 0, sizeof(float) * (size_t)dim);
     for (int64_t b = fb; b < num_blocks; b++) {
-        const int64_t offset = (table[b] * a->kv_heads + kvh) * block * dim;
+        const kv_slice values_b = read_slice(a, table[b], kvh, 1, w->slices);
         const int64_t count = keys - b * block < block ? keys - b * block : block;
         const float *block_p[4];
         for (int64_t i = 0; i < n; i++) block_p[i] = rows_p[i] + (b - fb) * block;
         for (int64_t i = 0; i < n; i++)
-            detinf_rows_values16(1, block_p[i], a->v_cache, offset, b == fb ? skip : 0, count, dim, a->bf16,
-                                 rows_acc[i]);
+            detinf_rows_values16(1, block_p[i], values_b.base, values_b.offset, b == fb ? skip : 0, count, dim,
+                                 values_b.bf16, rows_acc[i]);
     }
 }
 
@@ -184,17 +185,21 @@ static int any_window(const int64_t *row_first, int64_t first_row, int64_t end_r
    key 0), its scores soft-capped when softcap > 0. Soft-capped calls and rows cut by a window take the
    generic loops (the tiles share key loads between rows that see the same keys from 0; a row that sees
    them from 0 uncapped has the same bits on either path). Returns 0; 1 when a workspace could not be
-   allocated (some rows are then not written); 2 when an index is out of range (nothing is written). */
-int detinf_attention_window(const float *q, const void *k_cache, const void *v_cache, int cache_is_bf16,
+   allocated (some rows are then not written); 2 when an index is out of range or a q8_0 cache's head_dim is
+   not a multiple of 32 (nothing is written). cache_dtype: KV_F32, KV_BF16 or KV_Q8 (kv_q8.h). */
+int detinf_attention_window(const float *q, const void *k_cache, const void *v_cache, int cache_dtype,
                             const int64_t *block_ids, int64_t num_ids, const int64_t *row_table,
                             const int64_t *row_keys, const int64_t *row_first, int64_t first_row, int64_t end_row,
                             int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block, int64_t num_blocks,
                             float scale, float softcap, float *out, int64_t tile) {
     if (rows_out_of_range(block_ids, num_ids, row_table, row_keys, row_first, first_row, end_row, block,
-                          num_blocks))
+                          num_blocks) ||
+        (cache_dtype == KV_Q8 && head_dim % Q8_GROUP != 0))
         return 2;
-    const attention_args a = {q,     k_cache,  v_cache, cache_is_bf16, block_ids, row_table, row_keys, row_first,
-                              heads, kv_heads, head_dim, block,         scale,     softcap,   out,       end_row};
+    const attention_args a = {q,         k_cache,   v_cache,  cache_dtype == KV_BF16, cache_dtype == KV_Q8,
+                              block_ids, row_table, row_keys, row_first,              heads,
+                              kv_heads,  head_dim,  block,    scale,                  softcap,
+                              out,       end_row};
     int64_t max_keys = 1;
     for (int64_t r = first_row; r < end_row; r++) max_keys = a.row_keys[r] > max_keys ? a.row_keys[r] : max_keys;
     const size_t stride = (size_t)((max_keys + block - 1) / block * block);
@@ -218,9 +223,12 @@ int detinf_attention_window(const float *q, const void *k_cache, const void *v_c
 #pragma omp parallel reduction(| : status)
     {
         const size_t tile_floats = (size_t)head_dim * ((size_t)block > rows ? (size_t)block : rows);
+        const size_t slice_floats = 2 * (size_t)head_dim * (size_t)(block > 16 ? block : 16);
         workspace w = {malloc(sizeof(float) * rows * stride), malloc(sizeof(float) * tile_floats),
-                       malloc(sizeof(float) * rows * (size_t)head_dim), malloc(sizeof(float) * rows)};
-        const int ready = w.scores != NULL && w.tile != NULL && w.acc != NULL && w.totals != NULL;
+                       malloc(sizeof(float) * rows * (size_t)head_dim), malloc(sizeof(float) * rows),
+                       a.q8 ? malloc(sizeof(float) * slice_floats) : NULL};
+        const int ready = w.scores != NULL && w.tile != NULL && w.acc != NULL && w.totals != NULL &&
+                          (!a.q8 || w.slices != NULL);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
             if (!ready) {
@@ -236,18 +244,19 @@ int detinf_attention_window(const float *q, const void *k_cache, const void *v_c
         free(w.tile);
         free(w.acc);
         free(w.totals);
+        free(w.slices);
     }
     free(starts);
     return status;
 }
 
 /* detinf_attention_window with every row's keys from key 0 (no sliding window). */
-int detinf_attention(const float *q, const void *k_cache, const void *v_cache, int cache_is_bf16,
+int detinf_attention(const float *q, const void *k_cache, const void *v_cache, int cache_dtype,
                      const int64_t *block_ids, int64_t num_ids, const int64_t *row_table,
                      const int64_t *row_keys, int64_t first_row, int64_t end_row, int64_t heads,
                      int64_t kv_heads, int64_t head_dim, int64_t block, int64_t num_blocks, float scale,
                      float *out, int64_t tile) {
-    return detinf_attention_window(q, k_cache, v_cache, cache_is_bf16, block_ids, num_ids, row_table, row_keys,
+    return detinf_attention_window(q, k_cache, v_cache, cache_dtype, block_ids, num_ids, row_table, row_keys,
                                    NULL, first_row, end_row, heads, kv_heads, head_dim, block, num_blocks, scale,
                                    0.0f, out, tile);
 }

@@ -10,6 +10,7 @@
 #define DETINF_ATTENTION_H
 
 #include "common.h"
+#include "kv_q8.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -184,6 +185,7 @@ __attribute__((noinline)) static float exp_and_sum(float *scores, int64_t keys, 
 /* The caches of one layer hold blocks of `block` slots (slot = block_id * block + offset):
      keys   [num_blocks, KVH, D, block]   a head's keys transposed inside a block (key index fastest)
      values [num_blocks, KVH, block, D]
+   (a q8_0 cache: kv_q8.h's int8 layouts, dequantized a block slice at a time by read_slice.)
    Row r is query token r (row r of q and out); it sees keys row_first[r]..row_keys[r]-1 (row_first NULL:
    from key 0; a sliding window otherwise) of the sequence whose block table starts at
    block_ids[row_table[r]]. q, out: [T, H, D] fp32. */
@@ -191,7 +193,8 @@ typedef struct {
     const float *q;
     const void *k_cache;
     const void *v_cache;
-    int bf16;
+    int bf16; /* the cache is bf16 (else fp32, or q8_0 when q8) */
+    int q8;   /* the cache is q8_0 (kv_q8.h): slices are read dequantized into the workspace */
     const int64_t *block_ids;
     const int64_t *row_table;
     const int64_t *row_keys;
@@ -207,13 +210,39 @@ typedef struct {
    every head of one token on the generic path):
      scores [R][keys rounded up to the block]   acc [R][D]   totals [R]
    tile: one key block (generic loops) or every chunk's interleaved queries (fast path: chunk rows s..s+n-1
-   at tile + s * D, [D][n]), whichever is larger. */
+   at tile + s * D, [D][n]), whichever is larger.
+   slices: a q8_0 cache's dequantized slices, two blocks of max(block, 16) x D (NULL for other caches). */
 typedef struct {
     float *scores;
     float *tile;
     float *acc;
     float *totals;
+    float *slices;
 } workspace;
+
+/* Where the kernels read one block's keys or values of one KV head: `base` + `offset` elements, bf16 or
+   fp32. */
+typedef struct {
+    const void *base;
+    int64_t offset;
+    int bf16;
+} kv_slice;
+
+/* KV head kvh's keys (values when `values`) of cache block block_id: the cache itself for fp32 and bf16
+   caches; for a q8_0 cache the slice dequantized into `scratch` (block x D floats, each q * scale: one fp32
+   multiply), which the same fp32 loops then read, so each row's arithmetic is unchanged. */
+static inline kv_slice read_slice(const attention_args *a, int64_t block_id, int64_t kvh, int values,
+                                  float *scratch) {
+    const int64_t slice = block_id * a->kv_heads + kvh;
+    if (a->q8) {
+        if (values) q8_values_slice((const int8_t *)a->v_cache, slice, a->head_dim, a->block, scratch);
+        else q8_keys_slice((const int8_t *)a->k_cache, slice, a->head_dim, a->block, scratch);
+        const kv_slice dequantized = {scratch, 0, 0};
+        return dequantized;
+    }
+    const kv_slice cached = {values ? a->v_cache : a->k_cache, slice * a->head_dim * a->block, a->bf16};
+    return cached;
+}
 
 /* scores[i * 16 + l] = (sum over d ascending of q_i[d] * k_l[d]) * scale for n (1..MAX_SHARED_ROWS)
    rows against the 16 keys of one block of the transposed key cache at `offset`; the queries

@@ -202,8 +202,10 @@ static inline int64_t slice_offset(const attention_args *a, int64_t block_id, in
    deletes a loop whose body is only __builtin_prefetch as an empty loop; the empty volatile asm that
    uses the address keeps it (it emits no instruction). */
 static inline void prefetch_slice(const attention_args *a, int64_t block_id, int64_t kvh, int values) {
-    const int64_t element = a->bf16 ? 2 : 4, bytes = a->head_dim * 16 * element;
-    const char *base = (const char *)(values ? a->v_cache : a->k_cache) + slice_offset(a, block_id, kvh) * element;
+    const int64_t element = a->bf16 ? 2 : 4;
+    const int64_t bytes = a->q8 ? q8_row_bytes(a->head_dim) * 16 : a->head_dim * 16 * element;
+    const int64_t start = a->q8 ? (block_id * a->kv_heads + kvh) * bytes : slice_offset(a, block_id, kvh) * element;
+    const char *base = (const char *)(values ? a->v_cache : a->k_cache) + start;
     for (int64_t line = 0; line < bytes; line += 64) {
         __builtin_prefetch(base + line, 0, 2);
         __asm__ __volatile__("" : : "r"(base + line));
@@ -245,46 +247,47 @@ static void chunk_queries(const attention_args *a, int64_t r0, int64_t tokens, c
     }
 }
 
-/* Key pass of one chunk over block b of the tile, whose keys of the chunk's KV head start at `offset`.
+/* Key pass of one chunk over block b of the tile, whose keys of the chunk's KV head are `keys_b`.
    Lanes past a row's last key are computed into its scratch and never read. */
-static void chunk_scores(const attention_args *a, int64_t offset, int64_t b, chunk c, int64_t stride,
+static void chunk_scores(const attention_args *a, kv_slice keys_b, int64_t b, chunk c, int64_t stride,
                          const workspace *w) {
     const int64_t dim = a->head_dim, n = c.count;
     float *scores = w->scores + c.scratch * stride + b * n * 16;
-    detinf_rows_scores16((int)n, w->tile + c.scratch * dim, a->k_cache, offset, dim, a->bf16, a->scale, scores);
+    detinf_rows_scores16((int)n, w->tile + c.scratch * dim, keys_b.base, keys_b.offset, dim, keys_b.bf16,
+                         a->scale, scores);
 }
 
-/* chunk_scores over blocks b and b + 1 at once (keys at offset and next), in halves of at most
-   MAX_SHARED_ROWS / 2 rows: the same scores, the same places. */
-static void chunk_scores2(const attention_args *a, int64_t offset, int64_t next, int64_t b, chunk c,
+/* chunk_scores over blocks b and b + 1 at once (keys at `keys_b` and at offset `next` of the same base),
+   in halves of at most MAX_SHARED_ROWS / 2 rows: the same scores, the same places. */
+static void chunk_scores2(const attention_args *a, kv_slice keys_b, int64_t next, int64_t b, chunk c,
                           int64_t stride, const workspace *w) {
     const int64_t dim = a->head_dim, n = c.count, half = n > MAX_SHARED_ROWS / 2 ? (n + 1) / 2 : n;
     float *scores = w->scores + c.scratch * stride + b * n * 16;
     const float *qt = w->tile + c.scratch * dim;
     for (int64_t first = 0; first < n; first += half) {
         const int64_t rows = n - first < half ? n - first : half;
-        detinf_rows_scores16x2((int)rows, qt + first, n, a->k_cache, offset, next, dim, a->bf16, a->scale,
-                               scores + first * 16, scores + (n + first) * 16);
+        detinf_rows_scores16x2((int)rows, qt + first, n, keys_b.base, keys_b.offset, next, dim, keys_b.bf16,
+                               a->scale, scores + first * 16, scores + (n + first) * 16);
     }
 }
 
-/* Value pass of one chunk over block b. A block every row of the tile sees whole (b * 16 + 16 <=
-   min_keys) is shared; in the tile's last blocks each row adds exactly its own keys, alone. */
-static void chunk_values(const attention_args *a, int64_t block_id, int64_t b, int64_t tokens, chunk c,
+/* Value pass of one chunk over block b, whose values of the chunk's KV head are `values_b`. A block every
+   row of the tile sees whole (b * 16 + 16 <= min_keys) is shared; in the tile's last blocks each row adds
+   exactly its own keys, alone. */
+static void chunk_values(const attention_args *a, kv_slice values_b, int64_t b, int64_t tokens, chunk c,
                          const int64_t *keys, int64_t min_keys, int64_t stride, const workspace *w) {
     const int64_t dim = a->head_dim, n = c.count, group = a->heads / a->kv_heads, per_kvh = tokens * group;
-    const int64_t offset = slice_offset(a, block_id, c.first / per_kvh);
     const float *p = w->scores + c.scratch * stride + b * n * 16;
     float *acc = w->acc + c.scratch * dim;
     if ((b + 1) * 16 <= min_keys) {
-        detinf_rows_values16((int)n, p, a->v_cache, offset, 0, 16, dim, a->bf16, acc);
+        detinf_rows_values16((int)n, p, values_b.base, values_b.offset, 0, 16, dim, values_b.bf16, acc);
         return;
     }
     for (int64_t i = 0; i < n; i++) {
         const int64_t left = keys[(c.first + i) % per_kvh / group] - b * 16;
         if (left > 0)
-            detinf_rows_values16(1, p + i * 16, a->v_cache, offset, 0, left < 16 ? left : 16, dim, a->bf16,
-                                 acc + i * dim);
+            detinf_rows_values16(1, p + i * 16, values_b.base, values_b.offset, 0, left < 16 ? left : 16, dim,
+                                 values_b.bf16, acc + i * dim);
     }
 }
 
@@ -319,17 +322,22 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
     const int paired = REGROUP || (per_head == 1 && per_kvh <= MAX_SHARED_ROWS / 2);
     for (int64_t b = 0; b < num_blocks;) { /* every chunk while the blocks are in L1 */
         prefetch_keys_ahead(a, table, num_blocks, b, kvh);
-        const int64_t offset = slice_offset(a, table[b], kvh);
+        const kv_slice keys_b = read_slice(a, table[b], kvh, 0, w->slices);
         if (paired && b + 1 < num_blocks) {
             prefetch_keys_ahead(a, table, num_blocks, b + 1, kvh);
-            const int64_t next = slice_offset(a, table[b + 1], kvh);
+            /* the second block, from the same base: the cache, or for q8_0 the workspace's second slice */
+            int64_t next = slice_offset(a, table[b + 1], kvh);
+            if (a->q8) {
+                read_slice(a, table[b + 1], kvh, 0, w->slices + 16 * dim);
+                next = 16 * dim;
+            }
             for (int64_t index = first_chunk; index < end_chunk; index++)
-                chunk_scores2(a, offset, next, b, nth_chunk(per_kvh, index), stride, w);
+                chunk_scores2(a, keys_b, next, b, nth_chunk(per_kvh, index), stride, w);
             b += 2;
             continue;
         }
         for (int64_t index = first_chunk; index < end_chunk; index++)
-            chunk_scores(a, offset, b, nth_chunk(per_kvh, index), stride, w);
+            chunk_scores(a, keys_b, b, nth_chunk(per_kvh, index), stride, w);
         b += 1;
     }
     for (int64_t index = first_chunk; index < end_chunk; index++) {
@@ -342,8 +350,9 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
     memset(w->acc, 0, sizeof(float) * (size_t)(per_kvh * dim));
     for (int64_t b = 0; b < num_blocks; b++) {
         if (b + LOOKAHEAD_BLOCKS < num_blocks) prefetch_slice(a, table[b + LOOKAHEAD_BLOCKS], kvh, 1);
+        const kv_slice values_b = read_slice(a, table[b], kvh, 1, w->slices);
         for (int64_t index = first_chunk; index < end_chunk; index++)
-            chunk_values(a, table[b], b, tokens, nth_chunk(per_kvh, index), keys, min_keys, stride, w);
+            chunk_values(a, values_b, b, tokens, nth_chunk(per_kvh, index), keys, min_keys, stride, w);
     }
     for (int64_t k = 0; k < per_kvh; k++) {
         float *dst = a->out + (r0 * heads + query_row(a, tokens, kvh * per_kvh + k)) * dim;

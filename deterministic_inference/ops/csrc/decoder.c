@@ -23,8 +23,8 @@ int detinf_rotary_write_kv(const void *qkv, const int64_t *positions, const floa
                            const float *sin_table, const int64_t *write_blocks, const int64_t *write_offsets,
                            float *q_out, void *k_cache, void *v_cache, int64_t tokens, int64_t heads,
                            int64_t kv_heads, int64_t dim, int64_t block, int64_t num_blocks, int64_t table_rows,
-                           int model_bf16);
-int detinf_attention(const float *q, const void *k_cache, const void *v_cache, int cache_is_bf16,
+                           int model_bf16, int cache_dtype);
+int detinf_attention(const float *q, const void *k_cache, const void *v_cache, int cache_dtype,
                      const int64_t *block_ids, int64_t num_ids, const int64_t *row_table,
                      const int64_t *row_keys, int64_t first_row, int64_t end_row, int64_t heads,
                      int64_t kv_heads, int64_t head_dim, int64_t block, int64_t num_blocks, float scale,
@@ -53,7 +53,7 @@ typedef struct {
 typedef struct {
     const void *input_norm, *post_norm; /* [hidden] model dtype */
     detinf_linear qkv, o_proj, gate_up, down;
-    void *k_cache, *v_cache;            /* [blocks, KVH, D, block], [blocks, KVH, block, D] model dtype */
+    void *k_cache, *v_cache;            /* [blocks, KVH, D, block], [blocks, KVH, block, D] (kv_dtype) */
 } detinf_layer;
 
 /* The step: shapes, attention metadata (shared by every layer) and scratch buffers. */
@@ -61,6 +61,7 @@ typedef struct {
     int64_t tokens, hidden, heads, kv_heads, head_dim, inter;
     float eps, scale;
     int64_t model_bf16, flags;          /* flags: QTEST_* for the tests' negative controls, else 0 */
+    int64_t kv_dtype;                   /* the caches': 0 fp32, 1 bf16, 2 q8_0 (kv_q8.h) */
     const int64_t *positions;           /* [T] */
     const float *cos, *sin;             /* [table_rows, D] fp32 */
     int64_t table_rows;
@@ -91,9 +92,10 @@ static int attention_block(const detinf_layer *layer, const detinf_step *s, int 
     const int64_t t = s->tokens;
     int status = detinf_rotary_write_kv(s->qkv, s->positions, s->cos, s->sin, s->write_blocks, s->write_offsets,
                                         s->q32, layer->k_cache, layer->v_cache, t, s->heads, s->kv_heads,
-                                        s->head_dim, s->block_size, s->num_blocks, s->table_rows, bf16);
+                                        s->head_dim, s->block_size, s->num_blocks, s->table_rows, bf16,
+                                        (int)s->kv_dtype);
     if (status) return FUSED_ROTARY_RANGE;
-    status = detinf_attention(s->q32, layer->k_cache, layer->v_cache, bf16, s->block_ids, s->num_ids, s->row_table,
+    status = detinf_attention(s->q32, layer->k_cache, layer->v_cache, (int)s->kv_dtype, s->block_ids, s->num_ids, s->row_table,
                               s->row_keys, 0, t, s->heads, s->kv_heads, s->head_dim, s->block_size, s->num_blocks,
                               s->scale, s->att32, 0 /* tile: the kernel's choice; never changes a bit */);
     if (status == 2) return FUSED_ATTENTION_RANGE;

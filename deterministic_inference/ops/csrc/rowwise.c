@@ -10,6 +10,7 @@
    operations torch performs in bf16 (each bf16 op computes in fp32 and rounds once). */
 
 #include "common.h"
+#include "kv_q8.h"
 
 /* Read element i of an activation tensor as fp32 / round a value the way the model dtype stores it. */
 static inline float load_act(const void *base, int64_t i, int bf16) {
@@ -131,13 +132,31 @@ INLINE void rotate(const void *x, int64_t offset, const float *cos_row, const fl
     }
 }
 
+/* KV head h's rotated key and value (model-dtype values as fp32, [dim]) into slot `off` of block `blk`:
+   copies for fp32 and bf16 caches (bf16 rounds to nearest even), kv_q8.h's quantizer for q8_0. */
+static void store_kv(void *k_cache, void *v_cache, const float *key, const float *value, int64_t blk, int64_t off,
+                     int64_t h, int64_t kv_heads, int64_t dim, int64_t block, int cache_dtype) {
+    const int64_t slice = blk * kv_heads + h;
+    if (cache_dtype == KV_Q8) {
+        const int64_t row_bytes = q8_row_bytes(dim);
+        q8_store_key((int8_t *)k_cache + slice * row_bytes * block, key, dim, block, off);
+        q8_store_value((int8_t *)v_cache + (slice * block + off) * row_bytes, value, dim);
+        return;
+    }
+    const int bf16 = cache_dtype == KV_BF16;
+    for (int64_t d = 0; d < dim; d++) {
+        store_act(k_cache, (slice * dim + d) * block + off, key[d], bf16);
+        store_act(v_cache, (slice * block + off) * dim + d, value[d], bf16);
+    }
+}
+
 /* One token: q rotated into q_out, k rotated and v written to the caches. */
 INLINE void rotary_write_kv_token(const void *qkv, const int64_t *positions, const float *cos_table,
                                   const float *sin_table, const int64_t *write_blocks, const int64_t *write_offsets,
                                   float *q_out, void *k_cache, void *v_cache, int64_t t, int64_t heads,
-                                  int64_t kv_heads, int64_t dim, int64_t block, int model_bf16) {
+                                  int64_t kv_heads, int64_t dim, int64_t block, int model_bf16, int cache_dtype) {
     const int64_t width = (heads + 2 * kv_heads) * dim;
-    float rotated[1024];
+    float rotated[1024], value[1024];
     const float *cos_row = cos_table + positions[t] * dim, *sin_row = sin_table + positions[t] * dim;
     const int64_t row = t * width, blk = write_blocks[t], off = write_offsets[t];
     for (int64_t h = 0; h < heads; h++) {
@@ -145,26 +164,22 @@ INLINE void rotary_write_kv_token(const void *qkv, const int64_t *positions, con
     }
     for (int64_t h = 0; h < kv_heads; h++) {
         rotate(qkv, row + (heads + h) * dim, cos_row, sin_row, dim, model_bf16, rotated);
-        const int64_t k_base = ((blk * kv_heads + h) * dim) * block + off;
-        const int64_t v_base = ((blk * kv_heads + h) * block + off) * dim;
-        for (int64_t d = 0; d < dim; d++) {
-            store_act(k_cache, k_base + d * block, rotated[d], model_bf16);
-            store_act(v_cache, v_base + d, load_act(qkv, row + (heads + kv_heads + h) * dim + d, model_bf16),
-                      model_bf16);
-        }
+        for (int64_t d = 0; d < dim; d++) value[d] = load_act(qkv, row + (heads + kv_heads + h) * dim + d, model_bf16);
+        store_kv(k_cache, v_cache, rotated, value, blk, off, h, kv_heads, dim, block, cache_dtype);
     }
 }
 
 /* From the fused projection qkv [T, (H + 2 KVH) * D] (model dtype): q rotated -> q_out [T, H, D] fp32
    (exact copies of model-dtype values); k rotated and v written to the caches at (block, offset) of
-   each token: k_cache [blocks, KVH, D, block] (transposed), v_cache [blocks, KVH, block, D].
+   each token: k_cache [blocks, KVH, D, block] (transposed), v_cache [blocks, KVH, block, D], in the cache
+   dtype (KV_F32, KV_BF16, or KV_Q8: kv_q8.h's layouts, quantized per token and KV head).
    Returns 0, or 1 without writing anything when a position, block or offset is out of range. */
 int detinf_rotary_write_kv(const void *qkv, const int64_t *positions, const float *cos_table,
                            const float *sin_table, const int64_t *write_blocks, const int64_t *write_offsets,
                            float *q_out, void *k_cache, void *v_cache, int64_t tokens, int64_t heads,
                            int64_t kv_heads, int64_t dim, int64_t block, int64_t num_blocks, int64_t table_rows,
-                           int model_bf16) {
-    if (dim > 1024) return 1;
+                           int model_bf16, int cache_dtype) {
+    if (dim > 1024 || (cache_dtype == KV_Q8 && dim % Q8_GROUP != 0)) return 1;
     for (int64_t t = 0; t < tokens; t++) {
         if (positions[t] < 0 || positions[t] >= table_rows || write_blocks[t] < 0 || write_blocks[t] >= num_blocks ||
             write_offsets[t] < 0 || write_offsets[t] >= block)
@@ -174,10 +189,10 @@ int detinf_rotary_write_kv(const void *qkv, const int64_t *positions, const floa
     for (int64_t t = 0; t < tokens; t++) {
         if (model_bf16)
             rotary_write_kv_token(qkv, positions, cos_table, sin_table, write_blocks, write_offsets, q_out, k_cache,
-                                  v_cache, t, heads, kv_heads, dim, block, 1);
+                                  v_cache, t, heads, kv_heads, dim, block, 1, cache_dtype);
         else
             rotary_write_kv_token(qkv, positions, cos_table, sin_table, write_blocks, write_offsets, q_out, k_cache,
-                                  v_cache, t, heads, kv_heads, dim, block, 0);
+                                  v_cache, t, heads, kv_heads, dim, block, 0, cache_dtype);
     }
     return 0;
 }

@@ -120,9 +120,9 @@ def write_moe_gguf(reference: TinyModel, path: Path, quant: str = "F32") -> Path
         if rest == "mlp.shared_expert_gate.weight":
             array = array.reshape(-1)
         _add(writer, f"blk.{layer}.{_LAYER[rest]}", array, quant if "gate.weight" not in rest else "F32")
-    for (layer, proj), stack in sorted(experts.items()):
+    for (block, proj), stack in sorted(experts.items()):
         _add(
-            writer, f"blk.{layer}.ffn_{proj}_exps.weight", np.stack([stack[e] for e in sorted(stack)]), quant
+            writer, f"blk.{block}.ffn_{proj}_exps.weight", np.stack([stack[e] for e in sorted(stack)]), quant
         )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -297,7 +297,7 @@ def transformers_llama_config(spec: Any) -> Any:
         num_key_value_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         rms_norm_eps=spec.rms_norm_eps,
-        rope_theta=spec.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings,
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from deterministic_inference.config import EngineConfig
@@ -45,8 +47,9 @@ def test_bad_request_is_refused_and_engine_keeps_serving(
     [("max_tokens", 0), ("max_tokens", -5), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5)],
 )
 def test_bad_sampling_params_name_the_field(field: str, value: float) -> None:
+    bad_fields: dict[str, Any] = {field: value}  # Any: the field is chosen at run time
     with pytest.raises(InvalidRequestError) as error:
-        SamplingParams(**{field: value})
+        SamplingParams(**bad_fields)
     assert error.value.param == field
     assert field in str(error.value)
 
@@ -55,8 +58,9 @@ def test_bad_sampling_params_name_the_field(field: str, value: float) -> None:
     ("field", "value"), [("dtype", "float16"), ("max_num_seqs", 0), ("kv_block_size", -1)]
 )
 def test_bad_engine_config_names_the_field(field: str, value: object) -> None:
+    bad_fields: dict[str, Any] = {field: value}  # Any: the field and a deliberately bad value of any type
     with pytest.raises(ConfigError, match=field):
-        EngineConfig(**{field: value})
+        EngineConfig(**bad_fields)
 
 
 def test_stop_strings_cut_text_and_n_choices_use_derived_seeds(engine: Engine) -> None:

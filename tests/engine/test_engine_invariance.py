@@ -25,6 +25,8 @@ from tests.tiny_models import TinyModel
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True, logprobs=3)
+# One output's prompt logprobs as raw bits (None for the first token) and its prompt top logprobs.
+PromptLogprobBits = tuple[list[int | None], list[list[tuple[int, float]]] | None]
 
 
 @dataclass(frozen=True)
@@ -198,7 +200,7 @@ def test_prompt_logprobs_survive_chunking_and_preemption(tiny_loaded: LoadedMode
     prompts = random_prompts(6, tiny_loaded.spec.vocab_size, seed=5)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
 
-    def collect(**overrides: object) -> tuple[list[object], int]:
+    def collect(**overrides: object) -> tuple[list[PromptLogprobBits], int]:
         settings: dict[str, object] = {"dtype": "float32", "selfcheck": False}
         settings.update(overrides)
         engine = Engine(EngineConfig(**settings), loaded=tiny_loaded, record_trace=True)  # type: ignore[arg-type]

@@ -55,7 +55,7 @@ def shared_prefix_prompts(count: int, prefix_len: int, seed: int = 0) -> list[li
 
 
 def run_batches(engine: Engine, prompts: list[list[int]], batch_size: int) -> list[tuple[object, ...]]:
-    results = []
+    results: list[tuple[object, ...]] = []
     for start in range(0, len(prompts), batch_size):
         results.extend(signature(o) for o in engine.generate(prompts[start : start + batch_size], PARAMS))
     return results

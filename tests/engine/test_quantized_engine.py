@@ -27,6 +27,7 @@ from tests.engine.test_engine_invariance import (
     GREEDY,
     SEEDED,
     Case,
+    PromptLogprobBits,
     bits,
     random_prompts,
     result_of,
@@ -117,7 +118,7 @@ def test_prompt_logprobs_survive_chunking_and_preemption(mixed: LoadedModel) -> 
     prompts = random_prompts(6, mixed.spec.vocab_size, seed=5)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
 
-    def collect(**overrides: object) -> tuple[list[object], int]:
+    def collect(**overrides: object) -> tuple[list[PromptLogprobBits], int]:
         config = EngineConfig(selfcheck=False, **overrides)  # type: ignore[arg-type]
         engine = Engine(config, loaded=mixed, record_trace=True)
         outputs = engine.generate(prompts, params)

@@ -127,18 +127,19 @@ def test_thread_count_does_not_change_bits() -> None:
         SamplingParams(top_p=0.5),
     ]
     before = torch.get_num_threads()
-    results = []
+    sampled_bits = []  # per thread count: result_bits of the 6 rows
+    noise_bits: list[torch.Tensor] = []  # per thread count: [2, 70_000] int32
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             r = sampler.sample(logits, params, seeds, positions, pasts, outputs)
-            results.append([result_bits(r, i) for i in range(6)])
+            sampled_bits.append([result_bits(r, i) for i in range(6)])
             noise = sampler.gumbel_noise(torch.tensor(seeds[:2]), torch.tensor(positions[:2]), 70_000)
-            results.append(noise.view(torch.int32))
+            noise_bits.append(noise.view(torch.int32))
     finally:
         torch.set_num_threads(before)
-    assert results[0] == results[2]
-    assert torch.equal(results[1], results[3])
+    assert sampled_bits[0] == sampled_bits[1]
+    assert torch.equal(noise_bits[0], noise_bits[1])
 
 
 def test_gumbel_noise_rows_depend_only_on_their_seed_and_position() -> None:

@@ -196,7 +196,8 @@ def test_negative_control_a_changed_seed_position_or_sum_is_seen() -> None:
     probs = softmax_rows(scaled)  # [16, 1000]
     ids, counts = seeded_batch._upper_sets(scaled, 1000)
     chosen = probs.gather(1, ids)  # [16, 1000], sorted by (-value, id)
-    float32_sums = torch.stack([sum(chosen[:, : i + 1].unbind(1)) for i in (99, 499, 999)], dim=1)
+    zero = torch.zeros_like(chosen[:, 0])  # [16]; a tensor start (same bits as the int 0) keeps sum's type
+    float32_sums = torch.stack([sum(chosen[:, : i + 1].unbind(1), zero) for i in (99, 499, 999)], dim=1)
     cumsum = cumsum_rows(chosen)[:, [99, 499, 999]]
     assert not torch.equal(int_bits(float32_sums), int_bits(cumsum))
     kept, decided = seeded_batch._top_p_counts(chosen, counts, 0.9, 1000)

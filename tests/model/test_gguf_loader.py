@@ -34,6 +34,7 @@ def test_f32_gguf_loads_to_exactly_the_hf_tensors(tiny_llama_gguf: TinyModel) ->
     assert set(loaded.weights) == set(reference)
     for name, tensor in reference.items():
         got = loaded.weights[name]
+        assert isinstance(got, torch.Tensor), name  # unquantized checkpoint: dense tensors only
         assert got.dtype == torch.float32 and got.is_contiguous()
         assert _same_bits(got, tensor), name
 
@@ -96,7 +97,9 @@ def test_untied_gguf_keeps_lm_head(tmp_path: Path) -> None:
     model = write_gguf(reference, tmp_path / "untied.gguf", add_bos=False)
     loaded = load_model(str(model.path))
     assert not loaded.spec.tie_word_embeddings
-    assert _same_bits(loaded.weights["lm_head.weight"], reference.state_dict["lm_head.weight"])
+    lm_head = loaded.weights["lm_head.weight"]
+    assert isinstance(lm_head, torch.Tensor)  # an F32 GGUF: dense tensors only
+    assert _same_bits(lm_head, reference.state_dict["lm_head.weight"])
     assert loaded.tokenizer.encode("hi")[0] != 0  # no BOS when the file says so
 
 

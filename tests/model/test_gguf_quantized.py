@@ -131,7 +131,9 @@ def test_quantization_modes_set_the_computed_formats(
     q8 = apply_quantization(hf.weights, "q8_0", torch.float32)
     embed = q8["model.embed_tokens.weight"]
     assert isinstance(embed, QuantizedWeight) and embed.fmt.name == "Q8_0"
-    float_embed = hf.weights["model.embed_tokens.weight"].numpy()
+    hf_embed = hf.weights["model.embed_tokens.weight"]
+    assert isinstance(hf_embed, torch.Tensor)  # an unquantized HF checkpoint: dense tensors only
+    float_embed = hf_embed.numpy()
     expected = gguf.quants.quantize(float_embed, gguf.GGMLQuantizationType.Q8_0)
     assert np.array_equal(embed.data.numpy(), expected)
     assert isinstance(q8["model.norm.weight"], torch.Tensor)

@@ -28,6 +28,7 @@ def test_weights_equal_the_transformers_state_dict(fixture: str, request: pytest
     assert set(loaded.weights) == set(reference)
     for name, tensor in reference.items():
         got = loaded.weights[name]
+        assert isinstance(got, torch.Tensor), name  # unquantized checkpoint: dense tensors only
         assert got.dtype == torch.float32 and got.is_contiguous()
         assert _same_bits(got, tensor), name
 
@@ -66,7 +67,9 @@ def test_sharded_checkpoint(tiny_qwen2_dir: TinyModel, tmp_path: Path) -> None:
     assert len(shards) > 1 and (target / "model.safetensors.index.json").is_file()
     loaded = load_model(str(target))
     for name, tensor in tiny_qwen2_dir.state_dict.items():
-        assert _same_bits(loaded.weights[name], tensor), name
+        got = loaded.weights[name]
+        assert isinstance(got, torch.Tensor), name  # unquantized checkpoint: dense tensors only
+        assert _same_bits(got, tensor), name
     assert set(shards) <= set(loaded.artifacts)
 
 
@@ -109,5 +112,7 @@ def test_bfloat16_weights_load_as_stored(tiny_llama_dir: TinyModel, tmp_path: Pa
         shutil.copy(tiny_llama_dir.path / name, path / name)
     loaded = load_model(str(path))
     for name, tensor in tiny_llama_dir.state_dict.items():
-        assert loaded.weights[name].dtype == torch.bfloat16
-        assert torch.equal(loaded.weights[name], tensor.to(torch.bfloat16)), name
+        got = loaded.weights[name]
+        assert isinstance(got, torch.Tensor), name  # unquantized checkpoint: dense tensors only
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, tensor.to(torch.bfloat16)), name

@@ -40,7 +40,7 @@ def row_mismatches(
     generator = torch.Generator().manual_seed(seed)
     with num_threads(1):
         references = [bits(fn(rows[i : i + 1]))[0] for i in range(rows.shape[0])]
-    found = []
+    found: list[str] = []
     with num_threads(threads):
         for size in sizes:
             batch = torch.randn(size, rows.shape[1], generator=generator).to(rows.dtype)

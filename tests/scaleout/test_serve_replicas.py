@@ -135,6 +135,7 @@ def test_negative_control_the_refused_replica_gives_other_bits(
 ) -> None:
     """Why the check matters: replica-2, asked directly, answers the same request with other bits."""
     from ray import serve
+    from ray.serve.handle import DeploymentResponseGenerator
 
     from deterministic_inference.scaleout.asgi_bridge import ForwardedRequest, ResponseHead
     from deterministic_inference.scaleout.serve_app import APP_NAME
@@ -146,7 +147,10 @@ def test_negative_control_the_refused_replica_gives_other_bits(
 
     async def ask(name: str) -> Any:
         handle = serve.get_deployment_handle(name, APP_NAME)
-        items = [item async for item in handle.options(stream=True).handle.remote(forwarded)]
+        stream = handle.options(stream=True).handle.remote(forwarded)
+        if not isinstance(stream, DeploymentResponseGenerator):  # options(stream=True) gives a generator
+            raise TypeError(f"a streaming handle returned {type(stream).__name__}")
+        items = [item async for item in stream]
         assert isinstance(items[0], ResponseHead) and items[0].status == 200
         return bits(httpx.Response(200, content=b"".join(items[1:])).json())
 

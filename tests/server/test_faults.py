@@ -9,7 +9,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,9 @@ def test_a_request_failing_in_the_engine_fails_alone(faulty_server: RunningServe
     async def main() -> tuple[dict[str, Any], list[Any]]:
         async with httpx.AsyncClient(timeout=120) as client:
             idle = {kind: await post_valid(client, base, kind) for kind in VALID}
-            tasks = [post_failing(client, base, marker, stream) for stream in (False, True) * 3]
+            tasks: list[Coroutine[Any, Any, object]] = [
+                post_failing(client, base, marker, stream) for stream in (False, True) * 3
+            ]
             tasks += [post_valid(client, base, kind) for kind in list(VALID) * 3]
             return idle, list(await asyncio.gather(*tasks))
 

@@ -114,7 +114,7 @@ async def send(client: httpx.AsyncClient, base: str, item: Valid | Hostile) -> t
         response = await client.post(base + item.path, json=item.body)
         assert response.status_code == 200, response.text
         return item.key, json_signature(item.key, response.json())
-    events = []
+    events: list[dict[str, Any]] = []
     async with client.stream("POST", base + item.path, json=item.body) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():

@@ -10,12 +10,15 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionTokenLogprob
 
 from deterministic_inference.engine.sampling_params import derive_choice_seed
 from tests.server.harness import TINY_NAME, RunningServer
 
 MODEL = TINY_NAME
-MESSAGES = [{"role": "user", "content": "Hello, world! Tell me about the quick brown fox."}]
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Hello, world! Tell me about the quick brown fox."}
+]
 
 
 def client(server: RunningServer) -> openai.OpenAI:
@@ -55,7 +58,7 @@ def test_sync_completion_and_chat(tiny_server: RunningServer) -> None:
     assert completion.choices[0].finish_reason in ("length", "stop")
     assert completion.usage is not None and completion.usage.completion_tokens <= 5
     assert completion.system_fingerprint and completion.system_fingerprint.startswith("detinf-")
-    chat = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0)  # type: ignore[arg-type]
+    chat = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0)
     assert chat.choices[0].message.role == "assistant"
     assert chat.system_fingerprint == completion.system_fingerprint
 
@@ -75,7 +78,7 @@ def test_async_client_concurrency_100_at_10_is_one_output(tiny_server: RunningSe
                     max_tokens=4,
                     temperature=0,
                     logprobs=True,
-                    top_logprobs=2,  # type: ignore[arg-type]
+                    top_logprobs=2,
                 )
                 return chat_key(r.choices[0].message.content, r.choices[0].logprobs)
 
@@ -100,7 +103,7 @@ def test_chat_stream_equals_non_stream(tiny_server: RunningServer, temperature: 
         top_logprobs=3,
     )
     full = api.chat.completions.create(**kwargs)
-    text, entries, finish, usage = "", [], None, None
+    text, entries, finish, usage = "", list[ChatCompletionTokenLogprob](), None, None
     for chunk in api.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
         assert chunk.system_fingerprint == full.system_fingerprint
         if chunk.usage is not None:
@@ -124,7 +127,11 @@ def test_completion_stream_equals_non_stream_with_echo(tiny_server: RunningServe
         model=MODEL, prompt="Hello, world!", max_tokens=10, temperature=0.7, seed=3, logprobs=2, echo=True
     )
     full = api.completions.create(**kwargs)
-    text, tokens, values, tops, offsets = "", [], [], [], []
+    text = ""
+    tokens: list[str] = []
+    values: list[float] = []
+    tops: list[dict[str, float]] = []
+    offsets: list[int] = []
     for chunk in api.completions.create(**kwargs, stream=True):
         for choice in chunk.choices:
             text += choice.text

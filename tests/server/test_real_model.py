@@ -12,12 +12,15 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionTokenLogprob
 
 from deterministic_inference.cli.main import build_parser, main
 from tests.server.harness import RunningServer, subprocess_server
 
 pytestmark = pytest.mark.slow
-QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the capital of France? Answer in one word."}
+]
 
 
 def test_serve_defaults_match_the_readme() -> None:
@@ -49,13 +52,13 @@ def key(text: str | None, content: list[Any]) -> tuple[Any, ...]:
 def test_chat_answers_and_stream_equals_non_stream(real_server: RunningServer) -> None:
     api = openai.OpenAI(base_url=real_server.v1, api_key="unused", max_retries=0, timeout=300)
     model = api.models.list().data[0].id
-    answer = api.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    answer = api.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=0)
     assert "Paris" in (answer.choices[0].message.content or "")
     kwargs: dict[str, Any] = dict(
         model=model, messages=QUESTION, max_tokens=12, temperature=0.8, seed=42, logprobs=True, top_logprobs=2
     )
     full = api.chat.completions.create(**kwargs)
-    text, content = "", []
+    text, content = "", list[ChatCompletionTokenLogprob]()
     for chunk in api.chat.completions.create(**kwargs, stream=True):
         for choice in chunk.choices:
             text += choice.delta.content or ""
@@ -77,7 +80,7 @@ def test_concurrent_requests_are_one_output(real_server: RunningServer) -> None:
                     messages=QUESTION,
                     max_tokens=6,
                     temperature=0,
-                    logprobs=True,  # type: ignore[arg-type]
+                    logprobs=True,
                 )
                 return key(r.choices[0].message.content, r.choices[0].logprobs.content or [])  # type: ignore[union-attr]
 

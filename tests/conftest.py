@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Set before torch loads libgomp (the kernels share its pool). With one pytest-xdist worker per CPU,
+    # each worker's OpenMP threads would spin on the CPUs while they wait, taking the time the other
+    # worker's threads need; passive waiting changes timing only, never a bit.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 

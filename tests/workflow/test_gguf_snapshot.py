@@ -109,3 +109,19 @@ def test_manifest_without_a_choice_or_with_a_path_is_refused(gguf_cache: Path, t
     edit_manifest(path, {"model": {"source": {"file": "sub/x.gguf"}}})
     result = detinf("lock", "--config", path)
     assert result.code == 2 and "$.model.source" in result.err, result.err
+
+
+def test_gpu_backend_refuses_a_gguf_file_of_a_snapshot(gguf_cache: Path, tmp_path: Path) -> None:
+    path = tmp_path / "m.json"
+    assert detinf("init", "--output", path, "--model-id", f"{GGUF_REPO}:Q8_0", "--n-prompts", "1").code == 0
+    edit_manifest(path, {"runtime": {"execution": {"backend": "vllm", "base_url": "http://127.0.0.1:8123"}}})
+    result = detinf("lock", "--config", path)
+    assert result.code == 2 and "\n" not in result.err.strip(), result.err
+    assert "$.model.source.file" in result.err and "'vllm'" in result.err, result.err
+
+
+def test_serve_config_refuses_model_file(gguf_cache: Path, tmp_path: Path) -> None:
+    path = tmp_path / "m.json"
+    assert detinf("init", "--output", path, "--model-id", f"{GGUF_REPO}:Q8_0", "--n-prompts", "1").code == 0
+    result = detinf("serve", "--config", path, "--model-file", Q8)
+    assert result.code == 2 and "--model-file: give either --config or --model-file" in result.err, result.err

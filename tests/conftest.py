@@ -54,6 +54,20 @@ def tiny_llama_gguf_q8(tiny_llama_dir: TinyModel, tmp_path_factory: pytest.TempP
 
 
 @pytest.fixture(scope="session")
+def gguf_repo_dir(
+    tiny_llama_gguf: TinyModel, tiny_llama_gguf_q8: TinyModel, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """A directory laid out like a ``*-GGUF`` Hugging Face repository: the tiny Llama as two GGUF files,
+    one per quantization (``tiny-llama-f32.gguf``, ``tiny-llama-q8_0.gguf``), a README, no config.json.
+    Shared by the session: copy it before changing it."""
+    directory = tmp_path_factory.mktemp("tiny-llama-GGUF")
+    (directory / "tiny-llama-f32.gguf").write_bytes(tiny_llama_gguf.path.read_bytes())
+    (directory / "tiny-llama-q8_0.gguf").write_bytes(tiny_llama_gguf_q8.path.read_bytes())
+    (directory / "README.md").write_text("# tiny-llama-GGUF\n\nOne GGUF file per quantization.\n")
+    return directory
+
+
+@pytest.fixture(scope="session")
 def tiny_q4_k_m_gguf(tiny_llama_dir: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random llama GGUF mixing formats like a Q4_K_M file (Q4_K, Q6_K, Q5_K, Q8_0, F32)."""
     from tests.quant_models import write_random_gguf

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from deterministic_inference.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, parse_bytes
 from deterministic_inference.engine.speculative import SpeculativeConfig
+from deterministic_inference.errors import ConfigError
+from deterministic_inference.model.gguf_choice import choose_gguf
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """Options that map to `EngineConfig` fields."""
     group = parser.add_argument_group("engine")
     group.add_argument(
-        "--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)"
+        "--model", default=None,
+        help="GGUF file, HF directory, or a directory of GGUF files with --model-file (default: embedded "
+        "SmolLM2-135M)",
     )
+    add_model_file_option(group)
     group.add_argument("--dtype", default="auto", choices=DTYPES, help="weights/activations dtype")
     group.add_argument(
         "--quantization",
@@ -62,10 +68,34 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_model_file_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--model-file NAME`: the GGUF file to load from the directory `--model` names."""
+    parser.add_argument(
+        "--model-file", default=None, metavar="NAME",
+        help="the GGUF file to load from the --model directory (e.g. a *-GGUF Hugging Face snapshot holding "
+        "one file per quantization); not needed when the directory holds one GGUF and no config.json",
+    )
+
+
+def model_path_from_args(model: str | None, model_file: str | None) -> str | None:
+    """The path `EngineConfig.model` gets: `--model`, or the `--model-file` GGUF inside that directory
+    (a directory of several GGUFs without --model-file is refused when it loads, listing them)."""
+    if model_file is None:
+        return model
+    if model is None:
+        raise ConfigError(f"--model-file {model_file}: needs --model DIR, the directory that holds it")
+    directory = Path(model).expanduser()
+    if not directory.is_dir():
+        raise ConfigError(f"--model-file {model_file}: --model {model} is not a directory; give --model the "
+                          "directory holding the GGUF file, or drop --model-file")
+    chosen = choose_gguf(directory, name=model_file)
+    return str(chosen) if chosen is not None else model
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """An `EngineConfig` from parsed engine options (validation errors name the field)."""
     return EngineConfig(
-        model=args.model,
+        model=model_path_from_args(args.model, args.model_file),
         dtype=args.dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,

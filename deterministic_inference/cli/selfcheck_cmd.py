@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from deterministic_inference.cli.options import add_model_file_option, model_path_from_args
 from deterministic_inference.config import DTYPES, QUANTIZATIONS, EngineConfig
 
 
@@ -15,8 +16,11 @@ def register(subparsers: Any) -> None:
         "selfcheck", help="probe batch invariance of every op at a model's shapes on this machine"
     )
     parser.add_argument(
-        "--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)"
+        "--model", default=None,
+        help="GGUF file, HF directory, or a directory of GGUF files with --model-file (default: embedded "
+        "SmolLM2-135M)",
     )
+    add_model_file_option(parser)
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="weights/activations dtype")
     parser.add_argument(
         "--quantization", default="auto", choices=QUANTIZATIONS, help="weight formats (as for generate)"
@@ -34,7 +38,8 @@ def run_selfcheck_command(args: argparse.Namespace) -> int:
     from deterministic_inference.ops.selfcheck import run_selfcheck
 
     config = EngineConfig(  # validates
-        model=args.model, dtype=args.dtype, quantization=args.quantization, threads=args.threads
+        model=model_path_from_args(args.model, args.model_file), dtype=args.dtype,
+        quantization=args.quantization, threads=args.threads,
     )
     loaded = load_model(config.model, config.quantization)
     model = build_model(loaded, config, resolve_dtype(config.dtype, config.batch_invariant), 4096)

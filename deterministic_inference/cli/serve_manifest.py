@@ -65,7 +65,7 @@ def serve_gpu(args: argparse.Namespace) -> int:
     from deterministic_inference.workflow.manifest import load_manifest
     from deterministic_inference.workflow.run import RunOptions, prepare
 
-    for option in ("model", "api_key"):
+    for option in ("model", "model_file", "api_key"):
         if getattr(args, option, None):
             raise WorkflowError(f"--{option.replace('_', '-')}: not used with a GPU backend manifest (the "
                                 "manifest pins the model; the engine is reached without a key); remove it")

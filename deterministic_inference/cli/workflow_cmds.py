@@ -43,10 +43,16 @@ def _lock_option(parser: argparse.ArgumentParser) -> None:
 def _init(subparsers: Any) -> None:
     parser = subparsers.add_parser("init", help="write a manifest (default: the embedded model, greedy)")
     parser.add_argument("--output", required=True, type=Path, help="manifest file to write (.json or .yaml)")
-    parser.add_argument("--model", type=Path, default=None, help="GGUF file or HF directory")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="GGUF file, HF directory, or a directory of GGUF files (see --model-file)")
     parser.add_argument("--model-id", default=None,
                         help="Hugging Face model id ORG/NAME, found offline in the local Hugging Face cache "
-                        "($HF_HUB_CACHE, $HF_HOME/hub or ~/.cache/huggingface/hub); instead of --model")
+                        "($HF_HUB_CACHE, $HF_HOME/hub or ~/.cache/huggingface/hub); instead of --model. "
+                        "ORG/NAME:QUANT picks the GGUF of a *-GGUF repository whose name contains QUANT "
+                        "(case-insensitive), e.g. Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M")
+    parser.add_argument("--model-file", default=None, metavar="NAME",
+                        help="the GGUF file to use from the --model directory or --model-id snapshot (one "
+                        "file per quantization); recorded as model.source.file")
     parser.add_argument("--model-revision", default=None,
                         help="revision of --model-id: a commit hash, or a branch / tag the cache knows "
                         "(default: main)")
@@ -67,10 +73,20 @@ def cmd_init(args: argparse.Namespace) -> int:
     if args.model_id is not None:
         if args.model is not None:
             raise WorkflowError("--model-id: give either --model PATH or --model-id ID, not both")
-        model = HubModel(args.model_id, args.model_revision or "main")
+        repo, colon, quant = args.model_id.partition(":")
+        if colon and not quant:
+            raise WorkflowError(f"--model-id {args.model_id}: empty quant tag after ':'; write "
+                                "ORG/NAME:QUANT (e.g. :Q4_K_M) or drop the ':'")
+        if quant and args.model_file is not None:
+            raise WorkflowError(f"--model-file: give either --model-file or the :{quant} of --model-id, "
+                                "not both")
+        model = HubModel(repo, args.model_revision or "main", quant or None)
     elif args.model_revision is not None:
         raise WorkflowError("--model-revision: needs --model-id (the revision of which model?)")
-    document = init_manifest(model, args.n_prompts, args.max_tokens)
+    elif args.model_file is not None and args.model is None:
+        raise WorkflowError(f"--model-file {args.model_file}: needs --model DIR or --model-id ID (the "
+                            "directory or snapshot that holds it)")
+    document = init_manifest(model, args.n_prompts, args.max_tokens, args.model_file)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     write_document(args.output, document)
     manifest = load_manifest(args.output)

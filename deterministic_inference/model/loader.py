@@ -7,6 +7,7 @@ from pathlib import Path
 
 from deterministic_inference.errors import ModelLoadError
 from deterministic_inference.model.default_model import DEFAULT_MODEL_NAME, default_model_path
+from deterministic_inference.model.gguf_choice import choose_gguf
 from deterministic_inference.model.gguf_loader import is_gguf_file, load_gguf
 from deterministic_inference.model.hf_loader import load_hf
 from deterministic_inference.model.moe_loading import check_moe_spec, moe_shapes
@@ -28,7 +29,8 @@ class LoadedModel:
 
 
 def load_model(path: str | None, quantization: str = "auto") -> LoadedModel:
-    """Load a GGUF file or HF directory (None = the embedded default model).
+    """Load a GGUF file or HF directory (None = the embedded default model); a directory without
+    config.json holding one GGUF file loads that file (`gguf_choice`).
 
     The result depends only on the files' bytes: weights stay as stored (see the loaders); only GGUF
     block formats the kernels cannot read are dequantised, and only under `quantization` "none"."""
@@ -38,8 +40,11 @@ def load_model(path: str | None, quantization: str = "auto") -> LoadedModel:
         return _checked(LoadedModel(spec, weights, tokenizer, (gguf_path,), "gguf", DEFAULT_MODEL_NAME))
     target = Path(path).expanduser()
     if target.is_dir():
-        spec, weights, tokenizer, artifacts = load_hf(target)
-        return _checked(LoadedModel(spec, weights, tokenizer, artifacts, "hf", target.resolve().name))
+        chosen = choose_gguf(target)  # a *-GGUF snapshot: its one GGUF (several: the error says how to pick)
+        if chosen is None:
+            spec, weights, tokenizer, artifacts = load_hf(target)
+            return _checked(LoadedModel(spec, weights, tokenizer, artifacts, "hf", target.resolve().name))
+        target = chosen
     if not target.exists():
         raise ModelLoadError(
             f"{target}: no such file or directory (expected a .gguf file or an HF directory)"

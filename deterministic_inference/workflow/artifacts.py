@@ -3,7 +3,8 @@
 ``model.source`` is ``{"type": "default"}`` (the GGUF file of the installed default-model package),
 ``{"type": "path", "path": P}`` (a GGUF file or a Hugging Face directory; relative to the manifest),
 ``{"type": "huggingface", "repo": ID, "revision": REV}`` (that snapshot of the local Hugging Face
-cache, resolved offline by `hf_cache`) or ``{"type": "remote", "name": N}`` (served elsewhere:
+cache, resolved offline by `hf_cache`); both directory kinds take ``"file": NAME.gguf``, the GGUF to load
+from a directory of GGUFs (a ``*-GGUF`` snapshot), or ``{"type": "remote", "name": N}`` (served elsewhere:
 nothing to hash). ``model.files[].path`` are relative to the model root: the directory of a GGUF file,
 or the HF directory itself.
 """
@@ -46,11 +47,15 @@ def locate_model(source: dict[str, Any], base_dir: Path) -> ModelLocation:
         from deterministic_inference.workflow.hf_cache import resolve_snapshot
 
         snapshot = resolve_snapshot(source["repo"], source["revision"])
-        return ModelLocation(engine_path=snapshot.path, root=snapshot.path, commit=snapshot.commit)
+        engine_path = choose_model_file(snapshot.path, source.get("file"))
+        return ModelLocation(engine_path=engine_path, root=snapshot.path, commit=snapshot.commit)
     path = Path(source["path"])
     path = path if path.is_absolute() else base_dir / path
     if path.is_dir():
-        return ModelLocation(engine_path=path, root=path)
+        return ModelLocation(engine_path=choose_model_file(path, source.get("file")), root=path)
+    if source.get("file") is not None:
+        raise WorkflowError(f"$.model.source.file: {path} is not a directory; point model.source.path at "
+                            "the directory holding the GGUF file, or remove model.source.file")
     if path.is_file():
         return ModelLocation(engine_path=path, root=path.parent)
     raise WorkflowError(
@@ -58,8 +63,23 @@ def locate_model(source: dict[str, Any], base_dir: Path) -> ModelLocation:
     )
 
 
+def choose_model_file(directory: Path, name: str | None, quant: str | None = None,
+                      field: str = "$.model.source.file") -> Path:
+    """What the engine loads from `directory`: the GGUF file `name` / `quant` / the only GGUF picks
+    (`gguf_choice`), else the directory itself (an HF model directory). Errors become WorkflowError."""
+    from deterministic_inference.errors import ModelLoadError
+    from deterministic_inference.model.gguf_choice import choose_gguf
+
+    try:
+        chosen = choose_gguf(directory, name, quant, field)
+    except ModelLoadError as error:
+        raise WorkflowError(str(error)) from None
+    return directory if chosen is None else chosen
+
+
 def discover_model_files(model: Path) -> list[dict[str, str]]:
-    """``model.files`` entries (digests unset) for a GGUF file or an HF model directory."""
+    """``model.files`` entries (digests unset) for a GGUF file or an HF model directory (for a
+    directory of GGUFs, pass the file `choose_model_file` picks)."""
     if model.is_file():
         return [{"path": model.name, "digest": "sha256:unset", "role": "weights"}]
     if not model.is_dir():

@@ -312,6 +312,11 @@ def _check_cross_fields(data: dict[str, Any], where: str) -> None:
             "fix: use {\"type\": \"huggingface\", \"repo\": ORG/NAME, \"revision\": REV} "
             "(`detinf init --model-id ID --model-revision REV` writes it)"
         )
+    if backend in GPU_BACKENDS and "file" in data["model"]["source"]:
+        raise WorkflowError(
+            f"{where}: $.model.source.file: backend {backend!r} loads a Hugging Face model directory, not "
+            "one GGUF file of a snapshot; fix: remove model.source.file and use a non-GGUF repository"
+        )
 
 
 def unset_digests(data: dict[str, Any]) -> list[str]:

@@ -31,9 +31,11 @@ class HubModel:
 
     repo: str
     revision: str
+    quant: str | None = None  # `--model-id ID:QUANT`: the GGUF of a *-GGUF snapshot whose name has QUANT
 
 
-def init_manifest(model: Path | HubModel | None, n_prompts: int, max_tokens: int) -> dict[str, Any]:
+def init_manifest(model: Path | HubModel | None, n_prompts: int, max_tokens: int,
+                  model_file: str | None = None) -> dict[str, Any]:
     """A manifest for `model` (None = the embedded default model), digests filled in.
 
     The default model is an instruct model, so its prompts go through the chat template (request kind
@@ -57,13 +59,19 @@ def init_manifest(model: Path | HubModel | None, n_prompts: int, max_tokens: int
 
         snapshot = resolve_snapshot(model.repo, model.revision)
         source = {"type": "huggingface", "repo": model.repo, "revision": model.revision}
-        files = artifacts.discover_model_files(snapshot.path)
+        files = _directory_files(snapshot.path, source, model_file, model.quant)
         root, name = snapshot.path, model.repo.rsplit("/", 1)[-1]
         directory = "runs/${run_id}"
     else:
         model = model.resolve()
         source = {"type": "path", "path": str(model)}
-        files = artifacts.discover_model_files(model)
+        if model.is_dir():
+            files = _directory_files(model, source, model_file, None)
+        elif model_file is not None:
+            raise WorkflowError(f"--model-file {model_file}: --model {model} is not a directory; give "
+                                "--model the directory holding the GGUF file, or drop --model-file")
+        else:
+            files = artifacts.discover_model_files(model)
         root, name = (model if model.is_dir() else model.parent), model.name.split(".")[0]
     for entry in files:
         entry["digest"] = artifacts.hash_file(root / entry["path"], entry["path"])
@@ -107,6 +115,17 @@ def init_manifest(model: Path | HubModel | None, n_prompts: int, max_tokens: int
         },
         "outputs": {"directory": directory},
     }
+
+
+def _directory_files(directory: Path, source: dict[str, Any], model_file: str | None,
+                     quant: str | None) -> list[dict[str, str]]:
+    """`model.files` of a model directory; when it is a directory of GGUFs, only the chosen GGUF (named
+    in `source["file"]`, so the manifest and the lock pin that exact file)."""
+    chosen = artifacts.choose_model_file(directory, model_file, quant, "--model-file")
+    if chosen == directory:
+        return artifacts.discover_model_files(directory)
+    source["file"] = chosen.name
+    return artifacts.discover_model_files(chosen)
 
 
 def _safe_name(text: str) -> str:

@@ -26,8 +26,11 @@ _FIXED_NUMERICS = ("linear_tile_rows", "kv_block_size")
 def apply_manifest(args: argparse.Namespace, listen_defaults: dict[str, Any]) -> tuple[str, dict[str, str]]:
     """Check the manifest and set the serve options from it (--host / --port still at `listen_defaults`
     from runtime.execution.base_url); returns (network policy, runtime env)."""
-    if args.model is not None:
-        raise WorkflowError("--model: give either --config or --model, not both (the manifest pins it)")
+    for option in ("model", "model_file"):
+        if getattr(args, option, None) is not None:
+            flag = "--" + option.replace("_", "-")
+            raise WorkflowError(f"{flag}: give either --config or {flag}, not both (the manifest pins the "
+                                "model: model.source)")
     manifest = load_manifest(args.config)
     for warning in manifest.warnings:
         print(f"warning: {warning}", file=sys.stderr)

@@ -97,7 +97,7 @@ def test_negative_control_without_retries_the_same_endpoint_fails_the_run(
 
     prepared = prepare(load_manifest(remote_manifest), RunOptions(), io.StringIO())
     with flaky_endpoint(server.base_url, SCRIPT) as endpoint, \
-            pytest.raises(WorkflowError, match="failed 1 times, last: (HTTP 503|HTTP 429|RemoteProtocolError)"):
+            pytest.raises(WorkflowError, match="failed 1 times, last: (HTTP 503|HTTP 429|Remote)"):
         run_http(prepared.manifest.data, endpoint.base_url, prepared.requests, policy=RetryPolicy(attempts=1))
 
 

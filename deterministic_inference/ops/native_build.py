@@ -135,9 +135,10 @@ def _compile_objects(cc: str, flags: Sequence[str], work: Path, jobs: int) -> li
     objects = [work / f"{index:02d}-{source.stem}.o" for index, source in enumerate(SOURCES)]
 
     order = sorted(range(len(SOURCES)), key=compile_priority)
+    version = _compiler_version(cc)  # once per build, not once per source
 
     def compile_one(index: int) -> None:
-        cached = _cached_object(cc, flags, SOURCES[index])
+        cached = _cached_object(cc, version, flags, SOURCES[index])
         if not cached.exists():
             partial = work / f"{index:02d}-{cached.name}"
             _run_compiler(cc, compile_command(cc, flags, SOURCES[index], partial))
@@ -155,21 +156,21 @@ def _compile_objects(cc: str, flags: Sequence[str], work: Path, jobs: int) -> li
     return objects
 
 
-def _cached_object(cc: str, flags: Sequence[str], source: Path) -> Path:
+def _cached_object(cc: str, version: str, flags: Sequence[str], source: Path) -> Path:
     """Where the object file of `source` compiled with `flags` is kept: named by the sha256 of the source
     as the preprocessor expands it (headers, -D defines and the ISA's predefined macros included), the
-    flags that act after preprocessing, and the compiler's version. A build differing from another only
-    in a -D that few sources read (the test-only builds) recompiles only those; a changed header
-    recompiles the sources that include it."""
+    flags that act after preprocessing, and the compiler's `version` (`_compiler_version`). A build
+    differing from another only in a -D that few sources read (the test-only builds) recompiles only
+    those; a changed header recompiles the sources that include it."""
     compile_flags = [flag for flag in flags if flag not in _LINK_ONLY_FLAGS]
     expanded = _run_compiler(cc, [cc, *compile_flags, f"-I{_CSRC}", "-E", str(source)])
     after_preprocessing = [flag for flag in compile_flags if not flag.startswith(("-D", "-U", "-I"))]
-    version = _compiler_version(cc)
     key = b"\0".join((expanded, "\0".join((*after_preprocessing, version)).encode()))
     return cache_dir().parent / "objects" / f"{source.stem}-{hashlib.sha256(key).hexdigest()[:20]}.o"
 
 
 def _compiler_version(cc: str) -> str:
+    """What `cc --version` prints: part of every cache key, so another compiler never reuses a build."""
     return subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
 
 

@@ -260,7 +260,11 @@ def test_objects_are_reused_where_a_define_changes_nothing(
     monkeypatch.setattr(native_build, "_CSRC", csrc)
     cc, flags = native_build.compiler(), (*native_build.BASE_FLAGS, "-march=x86-64")
     defined = (*flags, "-DDETINF_X")
-    objects = native_build._cached_object  # the key is what is under test
+    version = native_build._compiler_version(cc)
+
+    def objects(cc: str, flags: tuple[str, ...], source: Path) -> Path:
+        return native_build._cached_object(cc, version, flags, source)  # the key is what is under test
+
     assert objects(cc, defined, reads) != objects(cc, flags, reads)
     assert objects(cc, defined, ignores) == objects(cc, flags, ignores)
     assert objects(cc, (*native_build.BASE_FLAGS, "-march=x86-64-v3"), ignores) != objects(cc, flags, ignores)

@@ -177,17 +177,25 @@ def test_speculative_rollback_on_a_q8_kv_cache_equals_plain(tiny32_loaded: Loade
 def test_speculative_in_mixed_batches_equals_plain(tiny_loaded: LoadedModel, params: SamplingParams) -> None:
     """Speculating and plain rows share steps (a plain-decoding neighbour at T=0.7 without drafts in
     the first engine): chunked prefill (budget 7), preemption (a small pool of small blocks)."""
-    vocab = tiny_loaded.spec.vocab_size
-    prompts = copy_heavy_prompts(vocab, 10, seed=2)
+    assert_mixed_batches_equal_plain(tiny_loaded, copy_heavy_prompts(tiny_loaded.spec.vocab_size, 10, seed=2),
+                                     params, NGRAM)
+
+
+def assert_mixed_batches_equal_plain(
+    loaded: LoadedModel, prompts: list[list[int]], params: SamplingParams, method: SpeculativeConfig
+) -> None:
+    """Every third prompt a plain-sampling neighbour (T=0.7); all of them speculating with `method`, alone
+    (the reference: no speculation) vs together without chunking, with chunked prefill (budget 7) and
+    with preemption (a small pool of small blocks): the same outputs, drafts accepted, blocks returned."""
     other = SamplingParams(max_tokens=20, temperature=0.7, seed=3, ignore_eos=True, logprobs=1)
     params_list = [params if i % 3 else other for i in range(len(prompts))]
-    reference = [run(tiny_loaded, [p], q, None)[0][0] for p, q in zip(prompts, params_list, strict=True)]
+    reference = [run(loaded, [p], q, None)[0][0] for p, q in zip(prompts, params_list, strict=True)]
     for overrides in (
         {},
         {"max_num_batched_tokens": 7},
         {"max_num_batched_tokens": 64, "kv_block_size": 4, "num_kv_blocks": 30},
     ):
-        got, engine = run(tiny_loaded, prompts, params_list, NGRAM, **overrides)
+        got, engine = run(loaded, prompts, params_list, method, **overrides)
         assert got == reference, f"differs with {overrides}"
         assert accepted(engine) > 0
         if "num_kv_blocks" in overrides:

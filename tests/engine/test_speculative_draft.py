@@ -20,6 +20,7 @@ from tests.engine.test_speculative import (
     GREEDY,
     SEEDED,
     accepted,
+    assert_mixed_batches_equal_plain,
     copy_heavy_prompts,
     engine_for,
     rejection_verify,
@@ -75,20 +76,7 @@ def test_draft_model_in_mixed_batches_equals_plain(
     no chunking, chunked prefill (budget 7), preemption (a small pool of small blocks), with the target
     as its own draft so that long runs are accepted."""
     prompts = copy_heavy_prompts(tiny_loaded.spec.vocab_size, 9, seed=12)
-    other = SamplingParams(max_tokens=20, temperature=0.7, seed=3, ignore_eos=True, logprobs=1)
-    params_list = [params if i % 3 else other for i in range(len(prompts))]
-    reference = [run(tiny_loaded, [p], q, None)[0][0] for p, q in zip(prompts, params_list, strict=True)]
-    for overrides in (
-        {},
-        {"max_num_batched_tokens": 7},
-        {"max_num_batched_tokens": 64, "kv_block_size": 4, "num_kv_blocks": 30},
-    ):
-        got, engine = run(tiny_loaded, prompts, params_list, draft(tiny_llama_dir.path), **overrides)
-        assert got == reference, f"differs with {overrides}"
-        assert accepted(engine) > 0
-        if "num_kv_blocks" in overrides:
-            assert engine.scheduler.num_preemptions > 0, "the small pool must preempt"
-        assert engine.kv.num_used_blocks == 0, "every block came back"
+    assert_mixed_batches_equal_plain(tiny_loaded, prompts, params, draft(tiny_llama_dir.path))
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])

@@ -46,33 +46,7 @@ def init_manifest(model: Path | HubModel | None, n_prompts: int, max_tokens: int
         raise WorkflowError(f"--n-prompts: {n_prompts} must be between 1 and 100 (the reference prompts)")
     if not 1 <= max_tokens <= 32768:
         raise WorkflowError(f"--max-tokens: {max_tokens} must be between 1 and 32768")
-    directory = "runs/${manifest_name}/${run_id}"
-    if model is None:
-        from deterministic_inference.model.default_model import DEFAULT_MODEL_NAME, default_model_path
-
-        weights = default_model_path()
-        source: dict[str, Any] = {"type": "default"}
-        files = artifacts.discover_model_files(weights)
-        root, name = weights.parent, DEFAULT_MODEL_NAME
-    elif isinstance(model, HubModel):
-        from deterministic_inference.workflow.hf_cache import resolve_snapshot
-
-        snapshot = resolve_snapshot(model.repo, model.revision)
-        source = {"type": "huggingface", "repo": model.repo, "revision": model.revision}
-        files = _directory_files(snapshot.path, source, model_file, model.quant)
-        root, name = snapshot.path, model.repo.rsplit("/", 1)[-1]
-        directory = "runs/${run_id}"
-    else:
-        model = model.resolve()
-        source = {"type": "path", "path": str(model)}
-        if model.is_dir():
-            files = _directory_files(model, source, model_file, None)
-        elif model_file is not None:
-            raise WorkflowError(f"--model-file {model_file}: --model {model} is not a directory; give "
-                                "--model the directory holding the GGUF file, or drop --model-file")
-        else:
-            files = artifacts.discover_model_files(model)
-        root, name = (model if model.is_dir() else model.parent), model.name.split(".")[0]
+    source, files, root, name, directory = _model_entries(model, model_file)
     for entry in files:
         entry["digest"] = artifacts.hash_file(root / entry["path"], entry["path"])
     return {
@@ -116,6 +90,40 @@ def init_manifest(model: Path | HubModel | None, n_prompts: int, max_tokens: int
         "outputs": {"directory": directory},
     }
 
+
+def _model_entries(
+    model: Path | HubModel | None, model_file: str | None
+) -> tuple[dict[str, Any], list[dict[str, Any]], Path, str, str]:
+    """What `init_manifest` records of the model: (model.source, model.files without digests, the
+    directory the files are under, the model's short name, the runs' output directory)."""
+    directory = "runs/${manifest_name}/${run_id}"
+    if model is None:
+        from deterministic_inference.model.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+        weights = default_model_path()
+        source: dict[str, Any] = {"type": "default"}
+        files = artifacts.discover_model_files(weights)
+        root, name = weights.parent, DEFAULT_MODEL_NAME
+    elif isinstance(model, HubModel):
+        from deterministic_inference.workflow.hf_cache import resolve_snapshot
+
+        snapshot = resolve_snapshot(model.repo, model.revision)
+        source = {"type": "huggingface", "repo": model.repo, "revision": model.revision}
+        files = _directory_files(snapshot.path, source, model_file, model.quant)
+        root, name = snapshot.path, model.repo.rsplit("/", 1)[-1]
+        directory = "runs/${run_id}"
+    else:
+        model = model.resolve()
+        source = {"type": "path", "path": str(model)}
+        if model.is_dir():
+            files = _directory_files(model, source, model_file, None)
+        elif model_file is not None:
+            raise WorkflowError(f"--model-file {model_file}: --model {model} is not a directory; give "
+                                "--model the directory holding the GGUF file, or drop --model-file")
+        else:
+            files = artifacts.discover_model_files(model)
+        root, name = (model if model.is_dir() else model.parent), model.name.split(".")[0]
+    return source, files, root, name, directory
 
 def _directory_files(directory: Path, source: dict[str, Any], model_file: str | None,
                      quant: str | None) -> list[dict[str, str]]:

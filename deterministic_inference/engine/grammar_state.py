@@ -28,13 +28,37 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import torch
-from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
 
 from deterministic_inference.engine.grammar import CompiledGrammar
 from deterministic_inference.engine.plan import StepPlan
 from deterministic_inference.engine.request import Request
 
 logger = logging.getLogger("detinf.engine")
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """32-bit words of one row of a token bitmask (one bit per token id)."""
+    return (vocab_size + 31) // 32
+
+
+def fill_bitmasks(
+    executor: llguidance.LLExecutor, matchers: Sequence[llguidance.LLMatcher], vocab_size: int
+) -> torch.Tensor:
+    """-> [R, W] int32: row i the allowed-token bits of matchers[i], filled by llguidance's thread pool.
+
+    Written here rather than taken from `llguidance.torch`, whose import compiles a kernel with
+    torch.compile and so imports torch's dynamo and inductor: ~1-2 s of every process start."""
+    bitmask = torch.full((len(matchers), bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    pairs = [(matcher, row) for row, matcher in enumerate(matchers)]
+    executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, len(matchers))
+    return bitmask
+
+
+def fill_bitmask(matcher: llguidance.LLMatcher, vocab_size: int) -> torch.Tensor:
+    """-> [1, W] int32: the allowed-token bits of one matcher, filled on this thread."""
+    bitmask = torch.full((1, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.shape[1] * 4)
+    return bitmask
 
 
 class GrammarViolation(RuntimeError):
@@ -130,8 +154,7 @@ def fill_masks(rows: list[Request], vocab_size: int, executor: llguidance.LLExec
         grammars.append((sequence, grammar))
     if not grammars:
         return masks
-    bitmask = allocate_token_bitmask(len(grammars), vocab_size)  # [R, W] int32
-    fill_next_token_bitmask_par(executor, [(g.matcher, i) for i, (_, g) in enumerate(grammars)], bitmask)
+    bitmask = fill_bitmasks(executor, [g.matcher for _, g in grammars], vocab_size)  # [R, W] int32
     allowed = bitmask_to_allowed(bitmask, vocab_size)  # [R, V]
     for i, (sequence, grammar) in enumerate(grammars):
         row = allowed[i].clone()  # [V], its own storage

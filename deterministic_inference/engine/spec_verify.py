@@ -26,10 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
 from deterministic_inference.engine import sampler
-from deterministic_inference.engine.grammar_state import StepMasks, bitmask_to_allowed
+from deterministic_inference.engine.grammar_state import StepMasks, bitmask_to_allowed, fill_bitmask
 from deterministic_inference.engine.model_runner import ModelRunnerOutput, SampledToken
 from deterministic_inference.engine.request import Request
 from deterministic_inference.engine.step_sampling import SampleFn, failure_message
@@ -126,8 +125,7 @@ def _hypothesis_masks(chunk: DraftedChunk, first: torch.Tensor | None) -> list[t
             if current is None or not bool(current[draft]) or not grammar.matcher.consume_token(draft):
                 break
             consumed += 1
-            bitmask = allocate_token_bitmask(1, vocab)  # [1, W] int32
-            fill_next_token_bitmask(grammar.matcher, bitmask, 0)
+            bitmask = fill_bitmask(grammar.matcher, vocab)  # [1, W] int32
             allowed = bitmask_to_allowed(bitmask, vocab)[0].clone()  # [V]
             grammar.widen(allowed)
             found.append(allowed if bool(allowed.any()) and grammar.error is None else None)

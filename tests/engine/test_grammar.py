@@ -8,10 +8,10 @@ import threading
 import pytest
 import tokenizers
 import torch
-from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
 from deterministic_inference.engine import grammar
 from deterministic_inference.engine.grammar import MAX_SOURCE_BYTES, GrammarCompiler, vocabulary_bytes
+from deterministic_inference.engine.grammar_state import fill_bitmask, fill_bitmasks
 from deterministic_inference.engine.structured_spec import StructuredOutput
 from deterministic_inference.errors import InvalidRequestError
 from deterministic_inference.model.loader import load_model
@@ -36,10 +36,29 @@ def compiler(tiny_llama_dir: TinyModel) -> GrammarCompiler:
 
 def allowed_ids(compiler: GrammarCompiler, spec: StructuredOutput) -> list[int]:
     matcher = compiler.compile(spec).new_matcher()
-    mask = allocate_token_bitmask(1, compiler.vocab_size)  # [1, ceil(V / 32)] int32
-    fill_next_token_bitmask(matcher, mask)
+    mask = fill_bitmask(matcher, compiler.vocab_size)  # [1, ceil(V / 32)] int32
     bits = (mask[0, :, None] >> torch.arange(32)) & 1  # [W, 32]
     return torch.nonzero(bits.flatten()[: compiler.vocab_size]).flatten().tolist()
+
+
+def test_our_mask_fills_equal_llguidance_torch(compiler: GrammarCompiler) -> None:
+    """fill_bitmask / fill_bitmasks (written without llguidance.torch, whose import costs seconds) give
+    the very words llguidance's own torch helpers give, for two grammars, in one call and one by one."""
+    import llguidance
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask, fill_next_token_bitmask_par
+
+    specs = [StructuredOutput("json_schema", SCHEMA), StructuredOutput("regex", "[0-9]{3}-[a-z]{2}")]
+    matchers = [compiler.compile(spec).new_matcher() for spec in specs]
+    vocab = compiler.vocab_size
+    reference = allocate_token_bitmask(len(matchers), vocab)
+    fill_next_token_bitmask_par(llguidance.LLExecutor(), [(m, i) for i, m in enumerate(matchers)], reference)
+    ours = fill_bitmasks(llguidance.LLExecutor(), matchers, vocab)
+    assert torch.equal(ours, reference) and ours.shape == (2, (vocab + 31) // 32)
+    for index, matcher in enumerate(matchers):
+        single = allocate_token_bitmask(1, vocab)
+        fill_next_token_bitmask(matcher, single, 0)
+        assert torch.equal(fill_bitmask(matcher, vocab), single) and torch.equal(single[0], reference[index])
+    assert not torch.equal(reference[0], reference[1])  # two grammars, two masks: the check can fail
 
 
 def test_byte_level_vocabulary_maps_every_token_to_its_bytes(tiny_llama_dir: TinyModel) -> None:

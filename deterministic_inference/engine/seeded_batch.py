@@ -15,9 +15,9 @@ are processed together; `sampler.sample` groups them):
     first entries of the per-row sums over any longer prefix; the per-row cut (first entry whose sum
     is not `< top_p`) is therefore found as soon as the prefix holds it (see `_top_p_counts`);
   - the token: the argmax of the exact float32 scores value + noise over all survivors, ties -> lowest id
-    (`sampler.gumbel_at`: per element integer hashing and exact-rounded arithmetic); the reference
+    (`sampling_noise.gumbel_at`: per element integer hashing and exact-rounded arithmetic); the reference
     computes the same scores and only skips tokens that provably cannot win or tie. Rows with more than
-    MAX_BATCHED survivors call `sampler._gumbel_argmax` itself on the same (ids, values) tensors.
+    MAX_BATCHED survivors call `sampling_noise.gumbel_argmax` itself on the same (ids, values) tensors.
 Rows whose logits or logits / T hold NaN or +inf, or have no finite maximum, are left to
 `sampler._sample_row` (None), which stays the reference for every row.
 """
@@ -42,11 +42,11 @@ _LOW32 = (1 << 32) - 1
 _INF = float("inf")
 
 # Survivor counts up to which the Gumbel argmax runs batched (exact noise for every survivor); rows with
-# more survivors call sampler._gumbel_argmax, which computes the exact noise only where it can matter.
+# more survivors call sampling_noise.gumbel_argmax, which computes the exact noise only where it can matter.
 MAX_BATCHED = 4096
-# sampler._gumbel_argmax: (survivor ids, their values, seed, position) -> token
+# sampling_noise.gumbel_argmax: (survivor ids, their values, seed, position) -> token
 Picker = Callable[[torch.Tensor, torch.Tensor, int, int], int]
-# sampler.gumbel_at: (seeds [P], positions [P], token ids [P, S]) -> exact noise [P, S] float32
+# sampling_noise.gumbel_at: (seeds [P], positions [P], token ids [P, S]) -> exact noise [P, S] float32
 Noise = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (ids, values) of one row's survivors, ordered by (-value, id)
 Survivors = tuple[torch.Tensor, torch.Tensor]
@@ -156,11 +156,11 @@ def _survivors(scaled: torch.Tensor, params: SamplingParams, rows: list[int]) ->
 def _batched_argmax(
     survivors: list[Survivors], seeds: list[int], positions: list[int], noise: Noise
 ) -> list[int]:
-    """`sampler._gumbel_argmax` of each row's survivors at once: the exact float32 score value + noise of
-    every survivor (padding scores -inf), the lowest id among each row's maximal scores. The reference
-    skips the noise only of tokens that provably cannot win or tie (its docstring), so the argmax of the
-    exact scores of all survivors is its token; every element here depends on its own (seed, position,
-    id, value) only."""
+    """`sampling_noise.gumbel_argmax` of each row's survivors at once: the exact float32 score value +
+    noise of every survivor (padding scores -inf), the lowest id among each row's maximal scores. The
+    reference skips the noise only of tokens that provably cannot win or tie (its docstring), so the
+    argmax of the exact scores of all survivors is its token; every element here depends on its own
+    (seed, position, id, value) only."""
     width = max(ids.numel() for ids, _ in survivors)
     ids = torch.zeros((len(survivors), width), dtype=torch.int64)  # [P, S], padded with id 0
     values = torch.full((len(survivors), width), -_INF)  # [P, S], padded with -inf
@@ -176,7 +176,7 @@ def _batched_argmax(
 def _tokens(
     survivors: dict[int, Survivors], seeds: list[int], positions: list[int], gumbel: tuple[Picker, Noise]
 ) -> dict[int, int]:
-    """Each row's token: batched for rows with at most MAX_BATCHED survivors, `sampler._gumbel_argmax`
+    """Each row's token: batched for rows with at most MAX_BATCHED survivors, `sampling_noise.gumbel_argmax`
     (the reference itself, on the same tensors) for the others."""
     pick, noise = gumbel
     small = [r for r, (ids, _) in survivors.items() if ids.numel() <= MAX_BATCHED]
@@ -205,7 +205,8 @@ def seeded_rows(
     """Rows `block` [R, V] fp32 that all qualify (`plain_seeded`) with the same temperature, top-k and
     top-p (`params`; top-logprob counts `ks` per row): each row's (token, logprob, k best), bitwise what
     `sampler._sample_row` gives it, or None where a row must take the per-row path (non-finite maximum,
-    NaN, or an inexact top-logprob search). `gumbel` is (`sampler._gumbel_argmax`, `sampler.gumbel_at`).
+    NaN, or an inexact top-logprob search). `gumbel` is (`sampling_noise.gumbel_argmax`,
+    `sampling_noise.gumbel_at`).
     allowed: grammar masks [R, V] bool or None; a disallowed token's scaled value is -inf, bitwise what
     `sampler._pick` divides (-inf / T is -inf), and logprobs stay the raw row's."""
     logprobs = log_softmax_rows(block)  # [R, V], row r bitwise sampler._row_logprobs(block[r])

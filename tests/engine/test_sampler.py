@@ -3,13 +3,12 @@ penalty semantics on hand-made logits, raw logprobs, and a negative control with
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
 import torch
 
-from deterministic_inference.engine import sampler
+from deterministic_inference.engine import sampler, sampling_noise
 from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.ops.portable import cumsum_rows, log_softmax_rows, softmax_rows
 
@@ -134,61 +133,12 @@ def test_thread_count_does_not_change_bits() -> None:
             torch.set_num_threads(threads)
             r = sampler.sample(logits, params, seeds, positions, pasts, outputs)
             sampled_bits.append([result_bits(r, i) for i in range(6)])
-            noise = sampler.gumbel_noise(torch.tensor(seeds[:2]), torch.tensor(positions[:2]), 70_000)
+            noise = sampling_noise.gumbel_noise(torch.tensor(seeds[:2]), torch.tensor(positions[:2]), 70_000)
             noise_bits.append(noise.view(torch.int32))
     finally:
         torch.set_num_threads(before)
     assert sampled_bits[0] == sampled_bits[1]
     assert torch.equal(noise_bits[0], noise_bits[1])
-
-
-def test_gumbel_noise_rows_depend_only_on_their_seed_and_position() -> None:
-    seeds, positions = torch.tensor([3, 2**62 + 5, 3, 0]), torch.tensor([0, 7, 1, 0])
-    batch = sampler.gumbel_noise(seeds, positions, 1001)
-    for row in range(4):
-        alone = sampler.gumbel_noise(seeds[row : row + 1], positions[row : row + 1], 1001)
-        assert torch.equal(alone.view(torch.int32), batch[row : row + 1].view(torch.int32))
-    # A prefix of the vocabulary gets the same noise: noise depends on the token id, not the vocab size.
-    assert torch.equal(
-        sampler.gumbel_noise(seeds, positions, 10).view(torch.int32), batch[:, :10].view(torch.int32)
-    )
-    assert not torch.equal(batch[0], batch[2])  # position matters
-    mean, std = batch.mean().item(), batch.std().item()
-    assert abs(mean - 0.5772) < 0.05 and abs(std - math.pi / math.sqrt(6)) < 0.05
-    # pinned bits, so a change of the hash or the mapping is a visible, conscious change
-    assert (
-        sampler.gumbel_noise(torch.tensor([0]), torch.tensor([0]), 4).view(torch.int32).tolist()
-        == PINNED_NOISE
-    )
-
-
-PINNED_NOISE = [[1084400853, -1088738233, 1078592170, 1048838400]]
-
-
-def test_uniforms_never_reach_0_or_1_and_log_is_accurate() -> None:
-    extremes = (torch.tensor([0, 2**32 - 1], dtype=torch.float64) + 0.5) * 2.0**-32
-    assert 0.0 < extremes[0].item() and extremes[1].item() < 1.0
-    noise = sampler._gumbel(extremes)
-    assert torch.isfinite(noise).all()
-    x = torch.cat(
-        [torch.rand(10_000, dtype=torch.float64) * 30 + 1e-12, extremes, torch.tensor([1.0, 2.0, 0.5])]
-    )
-    assert torch.allclose(sampler._log64(x), torch.log(x), rtol=1e-15, atol=1e-15)
-
-
-def test_pruned_search_equals_the_full_noise_argmax() -> None:
-    gen = torch.Generator().manual_seed(3)
-    vocab = 2000
-    for scale in (0.01, 1.0, 10.0, 1000.0):
-        logits = torch.randn(16, vocab, generator=gen) * scale
-        logits[:, 5] = logits[:, 7]  # a value tie between two tokens
-        seeds, positions = torch.arange(16) * 1_000_003, torch.arange(16)
-        got = sampler.sample(
-            logits, [SamplingParams()] * 16, seeds.tolist(), positions.tolist(), [[]] * 16, [[]] * 16
-        )
-        scores = logits + sampler.gumbel_noise(seeds, positions, vocab)
-        expected = [int(torch.nonzero(row == row.max())[0, 0]) for row in scores]
-        assert got.token_ids == expected
 
 
 def test_distribution_matches_softmax() -> None:

@@ -14,14 +14,14 @@ import itertools
 import pytest
 import torch
 
-from deterministic_inference.engine import sampler, seeded_batch
+from deterministic_inference.engine import sampler, sampling_noise, seeded_batch
 from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.ops.portable import cumsum_rows, softmax_rows
 from deterministic_inference.ops.selfcheck import torch_threads
 
 THREADS = [1, 2]
 INF = float("inf")
-GUMBEL = (sampler._gumbel_argmax, sampler.gumbel_at)
+GUMBEL = (sampling_noise.gumbel_argmax, sampling_noise.gumbel_at)
 
 
 def int_bits(x: torch.Tensor) -> torch.Tensor:
@@ -236,10 +236,3 @@ def test_overflowing_scaled_logits_fall_back() -> None:
     got = seeded_batch.seeded_rows(logits, params[0], [100, 101, 102], [3, 4, 5], [0] * 3, GUMBEL)
     assert [row is None for row in got] == [False, True, False]
     assert run(logits, params) == reference(logits, params)
-
-
-def test_gumbel_at_is_gumbel_noise_at_the_given_ids() -> None:
-    seeds, positions = torch.tensor([0, 7, 2**62 + 5]), torch.tensor([0, 3, 1000])
-    full = sampler.gumbel_noise(seeds, positions, 1000)  # [3, 1000]
-    ids = torch.randint(0, 1000, (3, 64), generator=torch.Generator().manual_seed(0))
-    assert torch.equal(int_bits(sampler.gumbel_at(seeds, positions, ids)), int_bits(full.gather(1, ids)))

@@ -56,10 +56,12 @@ def register(subparsers: Any) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Builds the engine, generates, prints text or JSON (prompt order)."""
+    """Builds the engine, generates, prints text or JSON (prompt order). The options are checked before
+    torch and the engine are imported, so a bad one is reported at once."""
+    constraint = structured_output_from_args(args)
+    config = engine_config_from_args(args)
     from deterministic_inference.engine.engine import Engine
 
-    constraint = structured_output_from_args(args)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -69,7 +71,7 @@ def run_generate(args: argparse.Namespace) -> int:
         logprobs=args.logprobs,
         structured_output=constraint,
     )
-    engine = Engine(engine_config_from_args(args))
+    engine = Engine(config)
     if constraint is not None:
         flag = "--json-schema" if constraint.kind == "json_schema" else "--regex"
         try:

@@ -27,7 +27,7 @@ from deterministic_inference.engine.setup import DTYPES, build_model
 from deterministic_inference.errors import DetinfError, InvalidRequestError, ModelLoadError
 from deterministic_inference.model.hf_loader import load_safetensors_weights
 from deterministic_inference.model.loader import expected_shapes
-from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.model_spec import ModelSpec
 
 if TYPE_CHECKING:
     from deterministic_inference.engine.engine import Engine

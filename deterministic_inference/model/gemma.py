@@ -30,7 +30,7 @@ import torch
 from deterministic_inference.errors import ModelLoadError
 from deterministic_inference.model.llama import DecoderLayer
 from deterministic_inference.model.rope_config import hf_rope_scaling
-from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.model_spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata
 from deterministic_inference.ops.backend import KVCache, OpsBackend
 from deterministic_inference.ops.rope import RotaryTable

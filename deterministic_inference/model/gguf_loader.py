@@ -31,8 +31,8 @@ from deterministic_inference.model.moe_loading import (
     split_experts,
 )
 from deterministic_inference.model.rope_config import GGUF_ROPE_TENSORS, gguf_rope_scaling, scaled_context
-from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.model.tokenizer import Tokenizer
+from deterministic_inference.model_spec import ModelSpec
 from deterministic_inference.ops.quant import QuantizedWeight, UnsupportedWeightFormat, block_format
 from deterministic_inference.ops.weights import RowOrdered, StoredWeight
 

@@ -13,14 +13,14 @@ from deterministic_inference.errors import ModelLoadError, UnsupportedArchitectu
 from deterministic_inference.model.gemma import gemma_window_layers, hf_gemma_fields, plus_one_norms
 from deterministic_inference.model.moe_loading import hf_moe_fields, hf_moe_weights
 from deterministic_inference.model.rope_config import hf_rope_scaling, scaled_context
-from deterministic_inference.model.spec import (
+from deterministic_inference.model.spm_tokenizer import sentencepiece_file_backend
+from deterministic_inference.model.tokenizer import Tokenizer, end_of_turn_ids
+from deterministic_inference.model_spec import (
     GEMMA_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     ModelSpec,
     RopeScaling,
 )
-from deterministic_inference.model.spm_tokenizer import sentencepiece_file_backend
-from deterministic_inference.model.tokenizer import Tokenizer, end_of_turn_ids
 from deterministic_inference.ops.weights import StoredWeight
 
 # model_type / architectures[0] -> our architecture

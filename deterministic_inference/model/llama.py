@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from deterministic_inference.model.moe import GatedMLP, MoEBlock
-from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.model_spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata
 from deterministic_inference.ops.backend import KVCache, Numerics, OpsBackend, select_backend, split_heads
 from deterministic_inference.ops.fused import FusedDecoder
@@ -35,7 +35,7 @@ class DecoderLayer:
     """One pre-norm transformer block: attention then gated MLP, each with a residual add, written
     against the ops backend (`ops/backend.py`), so it is the same code in every mode."""
 
-    fusable = True  # the fused decoder (ops/fused.py) runs this block's exact sequence of kernels
+    fusable = True  # the fused decoder (ops/fused.py FusableLayer) runs this exact sequence of kernels
 
     def __init__(self, spec: ModelSpec, weights: Mapping[str, StoredWeight], index: int, ops: OpsBackend):
         prefix = f"model.layers.{index}."
@@ -78,6 +78,10 @@ class DecoderLayer:
         self.weight_formats = {prefix + name: fmt for name, fmt in zip(names, formats, strict=True)}
         self.weight_formats.update(self.mlp.weight_formats())
         self.weight_formats.update((name, dtype_format(dtype)) for name in vectors)
+
+    def dense_mlp(self) -> GatedMLP | None:
+        """The gated MLP, None for a mixture of experts (what the fused path asks, ops/fused.py)."""
+        return self.mlp if isinstance(self.mlp, GatedMLP) else None
 
     def probe_linears(self) -> list[tuple[str, Linear]]:
         """(role, linear) of every linear of the block (see DecoderModel.probe_linears)."""

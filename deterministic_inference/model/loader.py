@@ -11,8 +11,8 @@ from deterministic_inference.model.gguf_choice import choose_gguf
 from deterministic_inference.model.gguf_loader import is_gguf_file, load_gguf
 from deterministic_inference.model.hf_loader import load_hf
 from deterministic_inference.model.moe_loading import check_moe_spec, moe_shapes
-from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.model.tokenizer import Tokenizer
+from deterministic_inference.model_spec import ModelSpec
 from deterministic_inference.ops.weights import StoredWeight
 
 
@@ -21,7 +21,8 @@ class LoadedModel:
     """A model ready for an architecture: hyper-parameters, weights as stored, tokenizer, provenance."""
 
     spec: ModelSpec
-    weights: dict[str, StoredWeight]  # HF Llama-style names (see spec.py): dense or quantized, as stored
+    # HF Llama-style names (see model_spec.py): dense or quantized, as stored
+    weights: dict[str, StoredWeight]
     tokenizer: Tokenizer
     artifacts: tuple[Path, ...]  # every file read (weights, tokenizer, config), for digests
     source: str  # "gguf" or "hf"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.model_spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache, write_kv
 from deterministic_inference.ops.backend import Numerics, OpsBackend, select_backend
 from deterministic_inference.ops.linear import Linear

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from deterministic_inference.model.spec import RopeScaling
+from deterministic_inference.model_spec import RopeScaling
 from deterministic_inference.ops.attention import AttentionMetadata
 from deterministic_inference.ops.backend import KVCache, NativeBackend, Numerics, SharedExpert
 from deterministic_inference.ops.linear import Linear, LinearWeight

@@ -1,4 +1,8 @@
-"""Architecture hyper-parameters shared by every loader and every architecture implementation.
+"""Architecture hyper-parameters shared by every loader, every architecture implementation and the ops.
+
+A leaf module: it imports nothing of this package, so `ops/` (the rotary tables, the self-check's probes)
+and `model/` (loaders, architectures) both build on it without `ops/` ever importing `model/`
+(tests/test_layering.py checks both rules).
 
 A loader turns a GGUF file or an HF directory into a `ModelSpec` plus a dict of tensors named with
 Hugging Face (Llama-style) parameter names, so the architectures never see file formats:

@@ -11,7 +11,7 @@ from deterministic_inference.config import EngineConfig
 from deterministic_inference.engine.kv_memory import kv_block_bytes
 from deterministic_inference.errors import ConfigError
 from deterministic_inference.fingerprint import hardware_fingerprint
-from deterministic_inference.model.llama import DecoderModel, Numerics
+from deterministic_inference.model.decoder import DecoderModel, Numerics
 from deterministic_inference.model.loader import LoadedModel
 from deterministic_inference.model.quantization import apply_quantization
 from deterministic_inference.model_spec import ModelSpec

@@ -150,7 +150,9 @@ def elementwise_probes(
         )
     }
     activation, act_name = (
-        (ops.gelu_tanh_mul, "gelu_tanh_mul") if spec.is_gemma else (ops.silu_mul, "silu_mul")
+        (ops.gelu_tanh_mul, "gelu_tanh_mul")
+        if spec.hidden_activation == "gelu_tanh"
+        else (ops.silu_mul, "silu_mul")
     )
     for inter in mlp_widths(spec):
         probes[f"{act_name} [M, {inter}] {name}"] = (activation, 3 * _rows(2 * inter, dtype, generator))

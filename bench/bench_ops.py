@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 from deterministic_inference.engine.model_runner import ModelRunner
 from deterministic_inference.engine.plan import ScheduledChunk, StepPlan
-from deterministic_inference.model.llama import DecoderModel, Numerics
+from deterministic_inference.model.decoder import DecoderModel, Numerics
 from deterministic_inference.model.loader import expected_shapes
-from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.model_spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache, paged_attention
 from deterministic_inference.ops.kv_format import Q8_DTYPE, q8_views
 from deterministic_inference.ops.linear import Linear

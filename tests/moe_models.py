@@ -66,7 +66,7 @@ def build_moe_hf(directory: Path, architecture: str, seed: int = 0) -> TinyModel
 
 
 def hf_tensors(reference: TinyModel) -> dict[str, np.ndarray]:
-    """The reference's weights as fp32 arrays under spec.py's names (experts one by one)."""
+    """The reference's weights as fp32 arrays under model_spec.py's names (experts one by one)."""
     from deterministic_inference.model.moe_loading import hf_moe_weights
 
     out: dict[str, np.ndarray] = {}

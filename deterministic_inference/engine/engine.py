@@ -47,7 +47,7 @@ from deterministic_inference.engine.setup import (
 )
 from deterministic_inference.engine.weight_update import swap_weights
 from deterministic_inference.errors import InvalidRequestError
-from deterministic_inference.model.llama import DecoderModel
+from deterministic_inference.model.decoder import DecoderModel
 from deterministic_inference.model.loader import LoadedModel, load_model
 from deterministic_inference.ops.selfcheck import SelfCheck, SelfCheckReport
 from deterministic_inference.workflow.artifacts import hash_file

@@ -13,7 +13,7 @@ import mmap
 
 import torch
 
-from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.model_spec import ModelSpec
 from deterministic_inference.ops.kv_format import cache_bytes_per_token, cache_shapes
 
 _PAGE = mmap.PAGESIZE

@@ -16,7 +16,7 @@ import torch
 from deterministic_inference.engine.grammar_state import MaskFiller
 from deterministic_inference.engine.kv_memory import lazy_kv_caches
 from deterministic_inference.engine.plan import StepPlan
-from deterministic_inference.model.llama import DecoderModel, LayerHook
+from deterministic_inference.model.decoder import DecoderModel, LayerHook
 from deterministic_inference.ops.attention import AttentionMetadata
 
 if TYPE_CHECKING:

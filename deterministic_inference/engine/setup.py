@@ -11,10 +11,10 @@ from deterministic_inference.config import EngineConfig
 from deterministic_inference.engine.kv_memory import kv_block_bytes
 from deterministic_inference.errors import ConfigError
 from deterministic_inference.fingerprint import hardware_fingerprint
-from deterministic_inference.model.llama import DecoderModel, Numerics
+from deterministic_inference.model.decoder import DecoderModel, Numerics
 from deterministic_inference.model.loader import LoadedModel
 from deterministic_inference.model.quantization import apply_quantization
-from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.model_spec import ModelSpec
 from deterministic_inference.ops.kv_format import Q8_DTYPE, Q8_GROUP, cache_dtype
 from deterministic_inference.ops.native import native_kernels
 from deterministic_inference.ops.repack import give_back_superseded

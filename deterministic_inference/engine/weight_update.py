@@ -25,9 +25,10 @@ import torch
 from deterministic_inference import fingerprint
 from deterministic_inference.engine.setup import DTYPES, build_model
 from deterministic_inference.errors import DetinfError, InvalidRequestError, ModelLoadError
+from deterministic_inference.model.families import family_of
 from deterministic_inference.model.hf_loader import load_safetensors_weights
 from deterministic_inference.model.loader import expected_shapes
-from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.model_spec import ModelSpec
 
 if TYPE_CHECKING:
     from deterministic_inference.engine.engine import Engine
@@ -106,8 +107,11 @@ def swap_weights(engine: Engine, weights: Mapping[str, torch.Tensor], param: str
             f"update_weights: {engine.num_unfinished_requests} requests are still in flight; let them "
             "finish (or abort them) before changing the weights"
         )
-    if engine.spec.is_gemma:  # its HF norms need the loader's 1 + w, which an update does not apply yet
-        raise InvalidRequestError(f"{param}: weight updates are not supported for Gemma models", param=param)
+    if family_of(engine.spec.architecture).convert_hf_weights is not None:
+        # the loader converts this family's HF weights (Gemma: norms as 1 + w); an update does not yet
+        raise InvalidRequestError(
+            f"{param}: weight updates are not supported for {engine.spec.architecture} models", param=param
+        )
     dtype = DTYPES[engine.dtype_name]
     # as the engine computes them: its dtype, contiguous
     dense = {

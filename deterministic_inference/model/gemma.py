@@ -5,7 +5,7 @@ Wiring, per layer (HF Gemma3DecoderLayer / Gemma2DecoderLayer; every norm an RMS
     h   = x + post_attention_norm(attention(input_norm(x)))      Gemma 3: q/k RMS-normed per head
     out = h + post_feedforward_norm(down(gelu_tanh(gate(n)) * up(n)))    n = pre_feedforward_norm(h)
 
-- the embedding is scaled by sqrt(hidden) (model/llama.py `DecoderModel`);
+- the embedding is scaled by sqrt(hidden) (`GEMMA.scaled_embedding`, applied by model/decoder.py);
 - attention scores are scaled by query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5);
 - Gemma 3: windowed ("sliding_attention") layers rotate with rope_local_base_freq, the others rope_theta;
 - Gemma 2: attention scores soft-capped (tanh(s / c) * c) before the softmax, and the final logits too.
@@ -22,15 +22,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 import torch
 
 from deterministic_inference.errors import ModelLoadError
-from deterministic_inference.model.llama import DecoderLayer
+from deterministic_inference.model.block import DecoderLayer, Shapes
+from deterministic_inference.model.family import Family
 from deterministic_inference.model.rope_config import hf_rope_scaling
-from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.model_spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata
 from deterministic_inference.ops.backend import KVCache, OpsBackend
 from deterministic_inference.ops.rope import RotaryTable
@@ -38,11 +40,14 @@ from deterministic_inference.ops.weights import StoredWeight, dense, dtype_forma
 
 GEMMA3_GLOBAL_EVERY = 6  # llama.cpp's gemma3 pattern: layers 5, 11, 17, ... attend globally
 # GGUF block tensor -> HF name, where a Gemma file differs from the Llama mapping (gguf_loader)
-GGUF_GEMMA_LAYER = {
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-}
+GGUF_GEMMA_LAYER = MappingProxyType(
+    {
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    }
+)
+_FEEDFORWARD_NORMS = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
 
 
 class GemmaLayer(DecoderLayer):
@@ -53,12 +58,18 @@ class GemmaLayer(DecoderLayer):
     def __init__(self, spec: ModelSpec, weights: Mapping[str, StoredWeight], index: int, ops: OpsBackend):
         super().__init__(spec, weights, index, ops)
         prefix, dtype = f"model.layers.{index}.", ops.numerics.dtype
-        names = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
         self.pre_feedforward_norm, self.post_feedforward_norm = (
-            dense(weights[prefix + n], dtype) for n in names
+            dense(weights[prefix + n], dtype) for n in _FEEDFORWARD_NORMS
         )
-        self.weight_formats.update((prefix + name, dtype_format(dtype)) for name in names)
+        self.weight_formats.update((prefix + name, dtype_format(dtype)) for name in _FEEDFORWARD_NORMS)
         self.scale = (spec.query_pre_attn_scalar or spec.head_dim) ** -0.5
+
+    @classmethod
+    def layer_shapes(cls, spec: ModelSpec, index: int) -> Shapes:
+        """The Llama block's tensors and the norms around the MLP."""
+        shapes = super().layer_shapes(spec, index)
+        shapes.update((f"model.layers.{index}.{name}", (spec.hidden_size,)) for name in _FEEDFORWARD_NORMS)
+        return shapes
 
     def __call__(
         self,
@@ -112,6 +123,7 @@ def hf_gemma_fields(config_path: Path, config: dict[str, Any], arch: str) -> dic
     # a legacy Gemma 3 config.json (the Hub's) gives the local base as rope_local_base_freq
     local_theta = float(local.get("rope_theta", config.get("rope_local_base_freq", 10_000.0)))
     return {
+        "hidden_activation": "gelu_tanh",
         "rope_theta": theta,
         "rope_scaling": hf_rope_scaling(config_path, config, full, int(config.get("head_dim") or 256)),
         "rope_local_theta": local_theta if arch == "gemma3" else 0.0,
@@ -140,6 +152,7 @@ def gguf_gemma_fields(
     if layers == (62 if arch == "gemma3" else 46):
         scalar = float(meta[f"{arch}.embedding_length"]) / float(meta[f"{arch}.attention.head_count"])
     return {
+        "hidden_activation": "gelu_tanh",
         "rope_local_theta": 10_000.0 if arch == "gemma3" else 0.0,
         "query_pre_attn_scalar": scalar,
         "window_layers": gemma_window_layers(arch, layers),
@@ -147,3 +160,17 @@ def gguf_gemma_fields(
         "attn_logit_softcapping": float(str(np.float32(meta.get(f"{arch}.attn_logit_softcapping", 0.0)))),
         "final_logit_softcapping": float(str(np.float32(meta.get(f"{arch}.final_logit_softcapping", 0.0)))),
     }
+
+
+GEMMA = Family(
+    name="gemma",
+    architectures=("gemma3", "gemma2"),
+    layer=GemmaLayer,
+    scaled_embedding=True,
+    block_ops=("gemma_block",),
+    gguf_layer_names=GGUF_GEMMA_LAYER,
+    hf_fields=hf_gemma_fields,
+    gguf_fields=gguf_gemma_fields,
+    window_layers=gemma_window_layers,
+    convert_hf_weights=plus_one_norms,
+)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from deterministic_inference.errors import ModelLoadError, UnsupportedArchitectureError
-from deterministic_inference.model.gemma import GGUF_GEMMA_LAYER, gguf_gemma_fields
+from deterministic_inference.model.families import family_of
 from deterministic_inference.model.gguf_file import GGUFFile, GGUFTensor, metadata_float, read_gguf
 from deterministic_inference.model.gguf_tokenizer import build_gguf_tokenizer
 from deterministic_inference.model.moe_loading import (
@@ -31,8 +31,8 @@ from deterministic_inference.model.moe_loading import (
     split_experts,
 )
 from deterministic_inference.model.rope_config import GGUF_ROPE_TENSORS, gguf_rope_scaling, scaled_context
-from deterministic_inference.model.spec import ModelSpec
 from deterministic_inference.model.tokenizer import Tokenizer
+from deterministic_inference.model_spec import ModelSpec
 from deterministic_inference.ops.quant import QuantizedWeight, UnsupportedWeightFormat, block_format
 from deterministic_inference.ops.weights import RowOrdered, StoredWeight
 
@@ -216,7 +216,8 @@ def _spec(
     window = _int(path, meta, f"{arch}.attention.sliding_window", 0)
     moe = gguf_moe_fields(path, meta, architecture, arch, tensors)
     layers = _int(path, meta, f"{arch}.block_count")
-    gemma = gguf_gemma_fields(path, meta, arch, head_dim, layers) if arch in ("gemma2", "gemma3") else {}
+    family_fields = family_of(architecture).gguf_fields
+    extra = family_fields(path, meta, arch, head_dim, layers) if family_fields is not None else {}
     if moe and architecture == "llama":
         architecture = "mixtral"
     return ModelSpec(
@@ -238,7 +239,7 @@ def _spec(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
         sliding_window=window if 0 < window < context else 0,  # a window no sequence can cross is none
-        **gemma,
+        **extra,
         **moe,
     )
 
@@ -258,12 +259,13 @@ def _hf_weights(
     path: Path, spec: ModelSpec, tensors: dict[str, Stored], permuted_qk: bool
 ) -> dict[str, StoredWeight]:
     weights: dict[str, StoredWeight] = {}
+    renamed = family_of(spec.architecture).gguf_layer_names  # the family's own names (Gemma, Phi-3)
     for name, tensor in tensors.items():
         if name in GGUF_ROPE_TENSORS:  # read into spec.rope_scaling
             continue
         layer = _LAYER_TENSOR.match(name)
-        if spec.is_gemma and layer and layer.group(2) in GGUF_GEMMA_LAYER:  # its norms are named otherwise
-            target: str | None = f"model.layers.{layer.group(1)}.{GGUF_GEMMA_LAYER[layer.group(2)]}"
+        if layer and layer.group(2) in renamed:
+            target: str | None = f"model.layers.{layer.group(1)}.{renamed[layer.group(2)]}"
         else:
             target = hf_name(name)
         if target is None:
@@ -284,7 +286,5 @@ def _hf_weights(
                 )
             weights[target] = _unpermuted(tensor, heads)
             continue
-        if spec.fused_projections and target.endswith(".mlp.up_proj.weight"):
-            target = target.replace(".up_proj.", ".gate_up_proj.")  # phi3's ffn_up: gate and up fused
         weights[target] = tensor
     return weights

@@ -10,17 +10,12 @@ import tokenizers
 import torch
 
 from deterministic_inference.errors import ModelLoadError, UnsupportedArchitectureError
-from deterministic_inference.model.gemma import gemma_window_layers, hf_gemma_fields, plus_one_norms
+from deterministic_inference.model.families import SUPPORTED_ARCHITECTURES, family_of
 from deterministic_inference.model.moe_loading import hf_moe_fields, hf_moe_weights
 from deterministic_inference.model.rope_config import hf_rope_scaling, scaled_context
-from deterministic_inference.model.spec import (
-    GEMMA_ARCHITECTURES,
-    SUPPORTED_ARCHITECTURES,
-    ModelSpec,
-    RopeScaling,
-)
 from deterministic_inference.model.spm_tokenizer import sentencepiece_file_backend
 from deterministic_inference.model.tokenizer import Tokenizer, end_of_turn_ids
+from deterministic_inference.model_spec import ModelSpec, RopeScaling
 from deterministic_inference.ops.weights import StoredWeight
 
 # model_type / architectures[0] -> our architecture
@@ -77,8 +72,9 @@ def load_hf(path: Path) -> tuple[ModelSpec, dict[str, StoredWeight], Tokenizer, 
     weights: dict[str, StoredWeight] = dict(_load_weights(weight_files))
     tokenizer, tokenizer_files = _load_tokenizer(path, config)
     spec = _spec(config_path, config, arch, weights, tokenizer)
-    if spec.is_gemma:
-        plus_one_norms(weights)
+    convert = family_of(arch).convert_hf_weights
+    if convert is not None:  # Gemma: its norm weights w as the 1 + w the block multiplies by
+        convert(weights)
     if spec.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     elif "lm_head.weight" not in weights:
@@ -169,17 +165,18 @@ def _spec(
         max_positions = int(_field(config_path, config, "max_position_embeddings"))
         layers = int(_field(config_path, config, "num_hidden_layers"))
         head_dim = int(config.get("head_dim") or hidden // heads)
-        gemma: dict[str, Any] = {}
-        if arch in GEMMA_ARCHITECTURES:
-            gemma = hf_gemma_fields(config_path, config, arch)
-            theta, scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
+        family = family_of(arch)
+        extra: dict[str, Any] = {}
+        if family.hf_fields is not None:  # the family reads its own rope and activation keys (Gemma)
+            extra = family.hf_fields(config_path, config, arch)
+            theta, scaling = extra.pop("rope_theta"), extra.pop("rope_scaling")
         else:
             theta, scaling = _rope(config_path, config, head_dim)
             _check_variant(config_path, config)
         max_positions = scaled_context(max_positions, scaling)
         window, window_layers = _sliding_window(config_path, config, layers, max_positions)
-        if arch in GEMMA_ARCHITECTURES:
-            window_layers = window_layers or gemma_window_layers(arch, layers)
+        if family.window_layers is not None:  # a fixed pattern where the config gives none (Gemma)
+            window_layers = window_layers or family.window_layers(arch, layers)
         return ModelSpec(
             architecture=arch,
             vocab_size=int(_field(config_path, config, "vocab_size")),
@@ -200,7 +197,7 @@ def _spec(
             eos_token_ids=tokenizer.eos_token_ids,
             sliding_window=window,
             window_layers=window_layers,
-            **gemma,
+            **extra,
             **hf_moe_fields(config_path, config, arch),
         )
     except (TypeError, ValueError, ZeroDivisionError) as exc:

@@ -7,12 +7,13 @@ from pathlib import Path
 
 from deterministic_inference.errors import ModelLoadError
 from deterministic_inference.model.default_model import DEFAULT_MODEL_NAME, default_model_path
+from deterministic_inference.model.families import family_of
 from deterministic_inference.model.gguf_choice import choose_gguf
 from deterministic_inference.model.gguf_loader import is_gguf_file, load_gguf
 from deterministic_inference.model.hf_loader import load_hf
-from deterministic_inference.model.moe_loading import check_moe_spec, moe_shapes
-from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.model.moe_loading import check_moe_spec
 from deterministic_inference.model.tokenizer import Tokenizer
+from deterministic_inference.model_spec import ModelSpec
 from deterministic_inference.ops.weights import StoredWeight
 
 
@@ -21,7 +22,8 @@ class LoadedModel:
     """A model ready for an architecture: hyper-parameters, weights as stored, tokenizer, provenance."""
 
     spec: ModelSpec
-    weights: dict[str, StoredWeight]  # HF Llama-style names (see spec.py): dense or quantized, as stored
+    # HF Llama-style names (see model_spec.py): dense or quantized, as stored
+    weights: dict[str, StoredWeight]
     tokenizer: Tokenizer
     artifacts: tuple[Path, ...]  # every file read (weights, tokenizer, config), for digests
     source: str  # "gguf" or "hf"
@@ -59,44 +61,17 @@ def load_model(path: str | None, quantization: str = "auto") -> LoadedModel:
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every weight an architecture needs for `spec`, with its shape."""
-    q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    """Every weight an architecture needs for `spec`, with its shape: the global tensors, then each layer's
+    as its family's block reads them (`layer_shapes`)."""
+    layer = family_of(spec.architecture).layer
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size),
         "model.norm.weight": (spec.hidden_size,),
     }
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (spec.hidden_size,)
-        shapes[p + "post_attention_layernorm.weight"] = (spec.hidden_size,)
-        if spec.fused_projections:
-            shapes[p + "self_attn.qkv_proj.weight"] = (q_rows + 2 * kv_rows, spec.hidden_size)
-        else:
-            shapes[p + "self_attn.q_proj.weight"] = (q_rows, spec.hidden_size)
-            shapes[p + "self_attn.k_proj.weight"] = (kv_rows, spec.hidden_size)
-            shapes[p + "self_attn.v_proj.weight"] = (kv_rows, spec.hidden_size)
-        shapes[p + "self_attn.o_proj.weight"] = (spec.hidden_size, q_rows)
-        if spec.is_moe:
-            shapes.update(moe_shapes(spec, i))
-        elif spec.fused_projections:
-            shapes[p + "mlp.gate_up_proj.weight"] = (2 * spec.intermediate_size, spec.hidden_size)
-            shapes[p + "mlp.down_proj.weight"] = (spec.hidden_size, spec.intermediate_size)
-        else:
-            shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, spec.hidden_size)
-            shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, spec.hidden_size)
-            shapes[p + "mlp.down_proj.weight"] = (spec.hidden_size, spec.intermediate_size)
-        if spec.attention_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q_rows,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv_rows,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv_rows,)
-        if spec.is_gemma:
-            shapes[p + "pre_feedforward_layernorm.weight"] = (spec.hidden_size,)
-            shapes[p + "post_feedforward_layernorm.weight"] = (spec.hidden_size,)
-        if spec.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (spec.head_dim,)
-            shapes[p + "self_attn.k_norm.weight"] = (spec.head_dim,)
+    for index in range(spec.num_layers):
+        shapes.update(layer.layer_shapes(spec, index))
     return shapes
 
 

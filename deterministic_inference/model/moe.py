@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
-from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.model_spec import ModelSpec
 from deterministic_inference.ops.backend import OpsBackend, SharedExpert
 from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.weights import StoredWeight

@@ -1,5 +1,5 @@
 """Mixture-of-experts pieces of the loaders: the spec fields from an HF config or GGUF metadata, the
-tensor names of each layout mapped to the HF names of `spec.py`, and the expected weight shapes.
+tensor names of each layout mapped to the HF names of `model_spec.py`, and the expected weight shapes.
 
 Layouts read:
 - HF per-expert tensors (checkpoints on the hub): `mlp.experts.{e}.{gate,up,down}_proj.weight`
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from deterministic_inference.errors import ModelLoadError
-from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.model_spec import ModelSpec
 from deterministic_inference.ops.weights import StoredWeight
 
 # GGUF general.architecture -> (our architecture, whether llama.cpp stores its q/k rows permuted)
@@ -142,7 +142,7 @@ def hf_moe_fields(config_path: Path, config: dict[str, Any], arch: str) -> dict[
 
 
 def hf_moe_weights(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    """An HF checkpoint tensor under the names of spec.py: Mixtral's block_sparse_moe names renamed,
+    """An HF checkpoint tensor under the names of model_spec.py: Mixtral's block_sparse_moe names renamed,
     transformers 5's fused expert stacks split into per-expert views; other tensors unchanged."""
     match = _HF_MIXTRAL.match(name)
     if match:

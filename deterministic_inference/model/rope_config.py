@@ -24,7 +24,7 @@ import torch
 
 from deterministic_inference.errors import ModelLoadError
 from deterministic_inference.model.gguf_file import metadata_float
-from deterministic_inference.model.spec import ROPE_SCALING_TYPES, RopeScaling
+from deterministic_inference.model_spec import ROPE_SCALING_TYPES, RopeScaling
 
 SUPPORTED_TEXT = f"supported: default, {', '.join(ROPE_SCALING_TYPES)}"
 # GGUF rope factor tensors: read into the spec, never weights of a layer

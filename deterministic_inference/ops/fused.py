@@ -19,18 +19,17 @@ import ctypes
 import functools
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from deterministic_inference.model_spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata
+from deterministic_inference.ops.backend import OpsBackend
 from deterministic_inference.ops.kv_format import cache_code, cache_head_dim
 from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.native import NativeKernels, check_caches
 from deterministic_inference.ops.rope import RotaryTable
-
-if TYPE_CHECKING:
-    from deterministic_inference.model.llama import DecoderLayer
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -81,6 +80,63 @@ class _Step(ctypes.Structure):
     ]  # fmt: skip
 
 
+class DenseGatedMLP(Protocol):
+    """A dense gated MLP as the fused path runs it: down(act(gate_up(x))), gate and up in one linear."""
+
+    @property
+    def gate_up(self) -> Linear:  # [2 * inter, hidden]: gate rows, then up rows
+        ...
+
+    @property
+    def down(self) -> Linear:  # [hidden, inter]
+        ...
+
+
+class FusableLayer(Protocol):
+    """What the fused path reads of a decoder layer (model/ implements it; ops/ never names a model class).
+    The fused kernel runs the Llama pre-norm block's sequence of kernels (SiLU-gated MLP included), so a
+    layer qualifies only when its own `__call__` is that sequence (`fusable`), with no q/k norm, no
+    window and a dense MLP."""
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    @property
+    def ops(self) -> OpsBackend: ...
+
+    @property
+    def fusable(self) -> bool:  # the layer's block is the pre-norm Llama block, kernel for kernel
+        ...
+
+    @property
+    def window(self) -> int:  # sliding window in keys (0: none)
+        ...
+
+    @property
+    def q_norm(self) -> torch.Tensor | None:  # [head_dim] per-head q norm (qwen3), None: none
+        ...
+
+    @property
+    def qkv(self) -> Linear:  # [(H + 2*KVH) * D, hidden]
+        ...
+
+    @property
+    def o_proj(self) -> Linear:  # [hidden, H * D]
+        ...
+
+    @property
+    def input_norm(self) -> torch.Tensor:  # [hidden]
+        ...
+
+    @property
+    def post_attention_norm(self) -> torch.Tensor:  # [hidden]
+        ...
+
+    def dense_mlp(self) -> DenseGatedMLP | None:
+        """The layer's MLP when it is a dense gated MLP, None otherwise (a mixture of experts)."""
+        ...
+
+
 def _linear_struct(linear: Linear, model_dtype: torch.dtype) -> _Linear | None:
     """The C descriptor of a kernel-backed linear, or None when it runs on torch (fp32 oneDNN)."""
     quant = linear.quant_linear
@@ -108,7 +164,9 @@ def _linear_struct(linear: Linear, model_dtype: torch.dtype) -> _Linear | None:
 class FusedDecoder:
     """The layers of one model as C structs, run in one call per step (see the module docstring)."""
 
-    def __init__(self, kernels: NativeKernels, layers: Sequence[DecoderLayer], structs: ctypes.Array[_Layer]):
+    def __init__(
+        self, kernels: NativeKernels, layers: Sequence[FusableLayer], structs: ctypes.Array[_Layer]
+    ) -> None:
         self.layers = tuple(layers)  # keeps every weight the structs point to alive
         self._structs = structs
         self._run = _library(kernels).detinf_decoder_layers
@@ -125,21 +183,19 @@ class FusedDecoder:
         )  # fmt: skip
 
     @classmethod
-    def build(cls, kernels: NativeKernels | None, layers: Sequence[DecoderLayer]) -> FusedDecoder | None:
+    def build(cls, kernels: NativeKernels | None, layers: Sequence[FusableLayer]) -> FusedDecoder | None:
         """The fused decoder of `layers`, or None when any layer needs the per-op path."""
-        from deterministic_inference.model.moe import GatedMLP  # the model package builds on ops
-
         if kernels is None or not layers or layers[0].spec.head_dim > 1024:
             return None
         structs = (_Layer * len(layers))()
         for index, layer in enumerate(layers):
-            dtype, mlp = layer.ops.numerics.dtype, layer.mlp
+            dtype, mlp = layer.ops.numerics.dtype, layer.dense_mlp()
             if (
                 layer.ops.name != "native"
                 or not layer.fusable
                 or layer.q_norm is not None
                 or layer.window > 0  # sliding windows take the per-op path
-                or not isinstance(mlp, GatedMLP)  # mixture-of-experts layers take the per-op path
+                or mlp is None  # mixture-of-experts layers take the per-op path
                 or dtype not in (torch.float32, torch.bfloat16)
             ):
                 return None
@@ -161,7 +217,7 @@ class FusedDecoder:
         flags: int = 0,  # TEST_* of ops/quant.py for the quantized GEMMs: tests' negative controls only
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (residual stream, the last layer's MLP output still to be added): what the per-op loop
-        over `DecoderLayer.__call__` returns, bit for bit."""
+        over the layers' own `__call__` returns, bit for bit."""
         spec, dtype = self.spec, self.dtype
         tokens = hidden.shape[0]
         if hidden.dtype != dtype or hidden.shape != (tokens, spec.hidden_size) or not hidden.is_contiguous():

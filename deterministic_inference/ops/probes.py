@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.model_spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache, write_kv
 from deterministic_inference.ops.backend import Numerics, OpsBackend, select_backend
 from deterministic_inference.ops.linear import Linear
@@ -150,7 +150,9 @@ def elementwise_probes(
         )
     }
     activation, act_name = (
-        (ops.gelu_tanh_mul, "gelu_tanh_mul") if spec.is_gemma else (ops.silu_mul, "silu_mul")
+        (ops.gelu_tanh_mul, "gelu_tanh_mul")
+        if spec.hidden_activation == "gelu_tanh"
+        else (ops.silu_mul, "silu_mul")
     )
     for inter in mlp_widths(spec):
         probes[f"{act_name} [M, {inter}] {name}"] = (activation, 3 * _rows(2 * inter, dtype, generator))

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deterministic_inference.model.spec import RopeScaling
+from deterministic_inference.model_spec import RopeScaling
 from deterministic_inference.ops import portable
 from deterministic_inference.ops.rope_scaling import scaled_frequencies
 

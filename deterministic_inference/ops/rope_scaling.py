@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from deterministic_inference.model.spec import ROPE_SCALING_TYPES, RopeScaling
+from deterministic_inference.model_spec import ROPE_SCALING_TYPES, RopeScaling
 
 Log = Callable[[float], float]  # natural logarithm of a positive double
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from deterministic_inference.errors import SelfCheckError
-from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.model_spec import ModelSpec
 from deterministic_inference.ops.backend import Numerics, select_backend
 from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.probes import (

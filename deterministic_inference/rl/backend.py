@@ -1,6 +1,6 @@
 """`TrainableBackend`: the engine's invariant ops backend with a backward pass.
 
-It implements the `OpsBackend` protocol, so the engine's own decoder (`model/llama.py`) runs on it
+It implements the `OpsBackend` protocol, so the engine's own decoder (`model/decoder.py`) runs on it
 unchanged: each op forwards to the `NativeBackend` the engine would use (same kernels, same calls, so the
 same bits) inside an autograd function of `rl/functions.py`, whose backward is ordinary torch math.
 Weights are the policy's live tensors: every linear builds the engine's `Linear` from their current
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from deterministic_inference.model.spec import RopeScaling
+from deterministic_inference.model_spec import RopeScaling
 from deterministic_inference.ops.attention import AttentionMetadata
 from deterministic_inference.ops.backend import KVCache, NativeBackend, Numerics, SharedExpert
 from deterministic_inference.ops.linear import Linear, LinearWeight

@@ -3,7 +3,7 @@
 The policy loads the same model files as the engine (float weights: `quantization="none"`, or dense HF
 safetensors) and keeps them as parameters under their Hugging Face names (fp32 master copies by default).
 Each forward casts them to the engine's dtype, exactly as the engine casts what it is given, builds the
-engine's own decoder (`model/llama.py`) on `TrainableBackend` (the engine's kernels with a backward
+engine's own decoder (`model/decoder.py`) on `TrainableBackend` (the engine's kernels with a backward
 pass), runs every sequence whole from position 0, and turns the final hidden states of the scored rows
 into logprobs with the engine's logits head and the engine's one logprob function
 (`ops.logprobs.log_softmax_rows`).
@@ -30,7 +30,7 @@ from torch import nn
 from deterministic_inference.config import EngineConfig
 from deterministic_inference.engine.setup import DTYPES, resolve_dtype
 from deterministic_inference.errors import ConfigError, InvalidRequestError
-from deterministic_inference.model.llama import DecoderModel
+from deterministic_inference.model.decoder import DecoderModel
 from deterministic_inference.model.loader import LoadedModel, load_model
 from deterministic_inference.model.quantization import apply_quantization
 from deterministic_inference.ops.attention import new_kv_cache

@@ -9,7 +9,7 @@ from deterministic_inference.config import EngineConfig, parse_bytes
 from deterministic_inference.engine.kv_memory import kv_block_bytes, lazy_kv_caches
 from deterministic_inference.engine.setup import choose_num_kv_blocks
 from deterministic_inference.errors import ConfigError
-from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.model_spec import ModelSpec
 
 SPEC = ModelSpec(
     architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,

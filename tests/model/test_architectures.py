@@ -20,7 +20,7 @@ from deterministic_inference.config import EngineConfig
 from deterministic_inference.engine.engine import Engine
 from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.errors import ModelLoadError
-from deterministic_inference.model.llama import DecoderModel, Numerics
+from deterministic_inference.model.decoder import DecoderModel, Numerics
 from deterministic_inference.model.loader import load_model
 from tests.arch_models import TEMPLATES, WINDOW, build_arch_hf, write_arch_gguf
 from tests.model.test_llama_numerics import prefill_logits

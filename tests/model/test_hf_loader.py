@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deterministic_inference.model.loader import load_model
-from deterministic_inference.model.spec import RopeScaling
+from deterministic_inference.model_spec import RopeScaling
 from tests.tiny_models import TinyModel
 
 

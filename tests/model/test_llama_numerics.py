@@ -7,7 +7,7 @@ import torch
 
 from deterministic_inference.engine.model_runner import ModelRunner
 from deterministic_inference.engine.plan import ScheduledChunk, StepPlan
-from deterministic_inference.model.llama import DecoderModel, Numerics
+from deterministic_inference.model.decoder import DecoderModel, Numerics
 from deterministic_inference.model.loader import load_model
 from tests.tiny_models import TinyModel, transformers_llama
 

@@ -12,7 +12,7 @@ import torch
 from deterministic_inference.config import EngineConfig
 from deterministic_inference.engine.engine import Engine
 from deterministic_inference.engine.sampling_params import SamplingParams
-from deterministic_inference.model.llama import DecoderModel, Numerics
+from deterministic_inference.model.decoder import DecoderModel, Numerics
 from deterministic_inference.model.loader import load_model
 from deterministic_inference.ops.quant import QuantizedWeight
 from tests.model.test_llama_numerics import prefill_logits

@@ -25,9 +25,9 @@ from deterministic_inference.config import EngineConfig
 from deterministic_inference.engine.engine import Engine
 from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.errors import ModelLoadError
-from deterministic_inference.model.llama import DecoderModel, Numerics
+from deterministic_inference.model.decoder import DecoderModel, Numerics
 from deterministic_inference.model.loader import load_model
-from deterministic_inference.model.spec import ROPE_SCALING_TYPES, RopeScaling
+from deterministic_inference.model_spec import ROPE_SCALING_TYPES, RopeScaling
 from tests.model.test_llama_numerics import prefill_logits
 from tests.rope_models import (
     ORIGINAL,

@@ -18,7 +18,7 @@ import torch
 
 from deterministic_inference.config import EngineConfig
 from deterministic_inference.engine.setup import build_model
-from deterministic_inference.model.llama import DecoderModel
+from deterministic_inference.model.decoder import DecoderModel
 from deterministic_inference.model.loader import load_model
 from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache
 from deterministic_inference.ops.quant import TEST_BATCH_SCALE

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.model_spec import ModelSpec
 from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache, write_kv
 from deterministic_inference.ops.backend import NativeBackend, Numerics
 from deterministic_inference.ops.native import NativeKernels

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from deterministic_inference.model.spec import RopeScaling
+from deterministic_inference.model_spec import RopeScaling
 from deterministic_inference.ops import portable
 from deterministic_inference.ops.native import NativeKernels, native_kernels
 from deterministic_inference.ops.rope import RotaryTable, inverse_frequencies

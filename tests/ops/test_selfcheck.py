@@ -11,8 +11,8 @@ import torch
 
 from deterministic_inference.cli.main import main
 from deterministic_inference.errors import SelfCheckError
-from deterministic_inference.model.llama import Numerics
-from deterministic_inference.model.spec import ModelSpec
+from deterministic_inference.model.decoder import Numerics
+from deterministic_inference.model_spec import ModelSpec
 from deterministic_inference.ops.selfcheck import SelfCheck, run_selfcheck
 from tests.tiny_models import TinyModel
 

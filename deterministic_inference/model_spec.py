@@ -1,4 +1,8 @@
-"""Architecture hyper-parameters shared by every loader and every architecture implementation.
+"""Architecture hyper-parameters shared by every loader, every architecture implementation and the ops.
+
+A leaf module: it imports nothing of this package, so `ops/` (the rotary tables, the self-check's probes)
+and `model/` (loaders, architectures) both build on it without `ops/` ever importing `model/`
+(tests/test_layering.py checks both rules).
 
 A loader turns a GGUF file or an HF directory into a `ModelSpec` plus a dict of tensors named with
 Hugging Face (Llama-style) parameter names, so the architectures never see file formats:
@@ -28,22 +32,6 @@ Q/K weights are in HF layout: rotary embedding applied as rotate-half (NeoX styl
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-SUPPORTED_ARCHITECTURES = (
-    "llama",
-    "qwen2",
-    "qwen3",
-    "qwen2_moe",
-    "qwen3_moe",
-    "mixtral",
-    "phi3",
-    "gemma3",
-    "gemma2",
-)
-GEMMA_ARCHITECTURES = ("gemma3", "gemma2")  # model/gemma.py: sandwich norms, GeGLU, scaled embedding
-FUSED_PROJECTION_ARCHITECTURES = ("phi3",)  # qkv_proj and gate_up_proj stored fused
-MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
-
 
 # rope_scaling types the rotary tables implement (ops/rope_scaling.py); anything else is refused at load
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope")
@@ -82,9 +70,9 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Hyper-parameters of a decoder-only transformer of the Llama family."""
+    """Hyper-parameters of a decoder-only transformer (how its blocks are wired: model/families.py)."""
 
-    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    architecture: str  # a key of the registry of model/families.py (SUPPORTED_ARCHITECTURES)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -98,6 +86,7 @@ class ModelSpec:
     tie_word_embeddings: bool
     attention_bias: bool = False  # q/k/v projections carry a bias (qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (qwen3)
+    hidden_activation: str = "silu"  # the gated MLP's: "silu", or "gelu_tanh" (GeGLU: Gemma)
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -131,16 +120,6 @@ class ModelSpec:
         """Whether layer `index` is one of the windowed ("sliding_attention") kind, which Gemma also
         rotates with its local rope base; () window_layers: every layer when there is a window."""
         return self.window_layers[index] if self.window_layers else self.sliding_window > 0
-
-    @property
-    def is_gemma(self) -> bool:
-        """True for the Gemma family's block (model/gemma.py)."""
-        return self.architecture in GEMMA_ARCHITECTURES
-
-    @property
-    def fused_projections(self) -> bool:
-        """True when q/k/v and gate/up are stored as one tensor each (qkv_proj, gate_up_proj)."""
-        return self.architecture in FUSED_PROJECTION_ARCHITECTURES
 
     @property
     def is_moe(self) -> bool:

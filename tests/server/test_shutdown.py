@@ -23,7 +23,9 @@ from tests.server.harness import RunningServer, metric, subprocess_server, tiny_
 from tests.tiny_models import TinyModel
 
 TIMEOUT = 2  # --shutdown-timeout of these tests
-BOUND = TIMEOUT + 20  # the engine deadline + uvicorn's response grace + a hung step's join grace + slack for a loaded 2-core CI machine (11.2 s was seen at load 9); a hung step without the bound never exits
+# the engine deadline + uvicorn's response grace + a hung step's join grace + slack for a loaded 2-core
+# machine (11.2 s was seen at load 9 with 9 s of slack); a hung step without the bound never exits
+BOUND = TIMEOUT + 20
 LONG = {
     "prompt": "Hello",
     "max_tokens": 400,

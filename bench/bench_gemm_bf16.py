@@ -1,5 +1,7 @@
 """The bf16 GEMM's paths side by side at the 1B Llama shapes: fp32 FMAs (gemm_fma.h) vs VDPBF16PS (and the
-portable loop with --portable), each a build of the same kernels (bits equal: tests/ops/test_gemm_fma.py).
+portable loop with --portable), each a build of the same kernels (bits equal: tests/ops/test_gemm_fma.py),
+and, where the CPU has AMX-BF16, the tiles of `--numerics native` (gemm_amx.h: other bits, fixed per CPU
+class; tests/ops/test_gemm_amx_bf16.py).
 
 Run by hand from the repository root (not a test):
     .venv/bin/python -m bench.bench_gemm_bf16 [--rows 1 8 32 128 512] [--threads 1 2] [--rounds 7]
@@ -36,10 +38,15 @@ def main() -> None:
     names = [name for name in BUILDS if args.portable or name != "portable"]
     libs: dict[str, NativeKernels] = {name: load(build(BUILDS[name])) for name in names}
     paths = {name: lib.gemm_bf16_path() for name, lib in libs.items()}
-    print(f"paths: {paths}")
+    amx_missing = libs["fma"].native_gemm_missing()
+    if amx_missing is None:
+        names.append("amx")
+    print(f"paths: {paths}; amx: {amx_missing or 'yes'}")
     generator = torch.Generator().manual_seed(0)
-    print("| threads | weight | M | " + " | ".join(f"{n} ms" for n in names) + " | vdpbf16ps / fma |")
-    print("|---|---|---|" + "---|" * (len(names) + 1))
+    amx_column = " | fma / amx |" if "amx" in names else " |"
+    columns = " | ".join(f"{n} ms" for n in names)
+    print(f"| threads | weight | M | {columns} | vdpbf16ps / fma{amx_column}")
+    print("|---|---|---|" + "---|" * (len(names) + 1 + ("amx" in names)))
     for threads in args.threads:
         torch.set_num_threads(threads)
         for shape_name, (n, k) in SHAPES.items():
@@ -51,10 +58,16 @@ def main() -> None:
                     name: functools.partial(lib.gemm_bf16, x, packed[name], n, None, torch.bfloat16)
                     for name, lib in libs.items()
                 }
+                if "amx" in names:  # the native build's AMX-BF16 tiles on the FMA build's packed weight
+                    fns["amx"] = functools.partial(
+                        libs["fma"].gemm_bf16, x, packed["fma"], n, None, torch.bfloat16, native=True
+                    )
                 times = best_times(fns, args.rounds)  # ms
                 cells = " | ".join(f"{times[name]:.2f}" for name in names)
                 ratio = times["vdpbf16ps"] / times["fma"]
-                print(f"| {threads} | {shape_name} {n}x{k} | {m} | {cells} | {ratio:.2f}x |", flush=True)
+                amx_ratio = f" {times['fma'] / times['amx']:.2f}x |" if "amx" in names else ""
+                row = f"| {threads} | {shape_name} {n}x{k} | {m} | {cells} | {ratio:.2f}x |{amx_ratio}"
+                print(row, flush=True)
 
 
 if __name__ == "__main__":

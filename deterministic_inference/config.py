@@ -24,6 +24,9 @@ DTYPES = ("auto", "float32", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "q8_0")
 # the KV cache's format (ops/kv_format.py): auto = the model dtype; q8_0 = 32 int8 + an fp32 scale per 32
 KV_CACHE_DTYPES = ("auto", "bf16", "q8_0")
+# the arithmetic of the bf16 GEMM: portable (bits fixed by our source, the same on every x86-64 CPU) or
+# native (AMX-BF16 tiles: bits fixed per CPU class only, the ISA then in the fingerprint)
+NUMERICS_MODES = ("portable", "native")
 # the resolved cache format's name in the numerics, by option value (auto: the model dtype's name)
 _KV_CACHE_NAMES = {"bf16": "bfloat16", "q8_0": "q8_0"}
 
@@ -39,6 +42,7 @@ class EngineConfig:
     linear_tile_rows: int = 4  # sets the self-check's probe batch sizes (T-1, T+1, 2T+3); in manifests
     kv_block_size: int = 16  # tokens per paged KV-cache block (also the prefix-cache unit)
     kv_cache_dtype: str = "auto"  # the KV cache's format: one of KV_CACHE_DTYPES (numerics)
+    numerics_mode: str = "portable"  # --numerics: one of NUMERICS_MODES (numerics)
     num_kv_blocks: int | None = None  # KV pool blocks; None = as many as fit kv_cache_memory
     kv_cache_memory: int | None = None  # KV pool cap in bytes; None = 2 GiB (at least one full context)
     max_model_len: int | None = None  # None = the model's context length
@@ -64,6 +68,14 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"--kv-cache-dtype: {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
+            )
+        if self.numerics_mode not in NUMERICS_MODES:
+            raise ConfigError(
+                f"--numerics: {self.numerics_mode!r} is not one of {', '.join(NUMERICS_MODES)}"
+            )
+        if self.numerics_mode == "native" and not self.batch_invariant:
+            raise ConfigError(
+                "--numerics native runs the invariant kernels' AMX-BF16 GEMM: drop --no-batch-invariant"
             )
         _positive("linear_tile_rows", self.linear_tile_rows)
         _positive("kv_block_size", self.kv_block_size)
@@ -104,7 +116,8 @@ class EngineConfig:
         cannot share a fingerprint with another mix. `model_ops` (`DecoderModel.model_ops`: the ops beyond
         the Llama block's, e.g. sliding-window attention) enter by name when there are any. The KV cache's
         format enters as `kv_cache_dtype` only when it differs from the model dtype (auto, and bf16 under
-        a bf16 model, store the same bits and keep the fingerprint they always had)."""
+        a bf16 model, store the same bits and keep the fingerprint they always had); `numerics_mode`
+        only when native (the default keeps the fingerprint it always had)."""
         from deterministic_inference.ops import OPS_REVISION
         from deterministic_inference.ops.native_build import source_digest
 
@@ -125,6 +138,8 @@ class EngineConfig:
         kv_cache = _KV_CACHE_NAMES.get(self.kv_cache_dtype, resolved_dtype)
         if kv_cache != resolved_dtype:
             numerics["kv_cache_dtype"] = kv_cache
+        if self.numerics_mode != "portable":
+            numerics["numerics_mode"] = self.numerics_mode
         return numerics
 
     def numerics_digest(self, resolved_dtype: str, weight_formats: dict[str, str] | None = None) -> str:

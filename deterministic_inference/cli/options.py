@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from deterministic_inference.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, parse_bytes
+from deterministic_inference.config import (
+    DTYPES,
+    KV_CACHE_DTYPES,
+    NUMERICS_MODES,
+    QUANTIZATIONS,
+    EngineConfig,
+    parse_bytes,
+)
 from deterministic_inference.engine.speculative import SpeculativeConfig
 from deterministic_inference.errors import ConfigError
 from deterministic_inference.model.gguf_choice import choose_gguf
@@ -34,6 +41,14 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
         help="KV cache format: auto (the model dtype), bf16, or q8_0 (32 int8 values and an fp32 scale per "
         "32, 0.56x bf16's bytes; exact and batch invariant, recorded in the fingerprint)",
+    )
+    group.add_argument(
+        "--numerics",
+        default="portable",
+        metavar="{" + ",".join(NUMERICS_MODES) + "}",
+        help="portable: bits fixed by our source, the same on every x86-64 CPU; native: the bf16 GEMM on "
+        "this CPU's AMX-BF16 tiles (faster; still batch, chunk and thread invariant, but the bits hold on "
+        "this CPU class only: the fingerprint records the ISA). Refused where the CPU has no AMX-BF16",
     )
     group.add_argument("--no-batch-invariant", action="store_true", help="plain torch ops (not reproducible)")
     group.add_argument("--no-prefix-cache", action="store_true", help="disable automatic prefix caching")
@@ -99,6 +114,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        numerics_mode=args.numerics,
         batch_invariant=not args.no_batch_invariant,
         enable_prefix_caching=not args.no_prefix_cache,
         max_num_seqs=args.max_num_seqs,

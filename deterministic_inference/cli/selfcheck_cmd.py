@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from deterministic_inference.cli.options import add_model_file_option, model_path_from_args
-from deterministic_inference.config import DTYPES, QUANTIZATIONS, EngineConfig
+from deterministic_inference.config import DTYPES, NUMERICS_MODES, QUANTIZATIONS, EngineConfig
 
 
 def register(subparsers: Any) -> None:
@@ -25,6 +25,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--quantization", default="auto", choices=QUANTIZATIONS, help="weight formats (as for generate)"
     )
+    parser.add_argument(
+        "--numerics", default="portable", metavar="{" + ",".join(NUMERICS_MODES) + "}",
+        help="portable, or native: probe the AMX-BF16 GEMM (as for generate)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.set_defaults(func=run_selfcheck_command)
@@ -39,7 +43,7 @@ def run_selfcheck_command(args: argparse.Namespace) -> int:
 
     config = EngineConfig(  # validates
         model=model_path_from_args(args.model, args.model_file), dtype=args.dtype,
-        quantization=args.quantization, threads=args.threads,
+        quantization=args.quantization, threads=args.threads, numerics_mode=args.numerics,
     )
     loaded = load_model(config.model, config.quantization)
     model = build_model(loaded, config, resolve_dtype(config.dtype, config.batch_invariant), 4096)

@@ -97,10 +97,12 @@ def resolve_dtype(requested: str, batch_invariant: bool = True) -> str:
 
 
 def model_numerics(config: EngineConfig, dtype_name: str) -> Numerics:
-    """The numerics the model is built with (dtype, invariant kernels or plain torch, tile rows)."""
+    """The numerics the model is built with (dtype, invariant kernels or plain torch, tile rows, the
+    AMX-BF16 GEMM of `--numerics native`)."""
     return Numerics(
-        dtype=DTYPES[dtype_name], batch_invariant=config.batch_invariant, tile_rows=config.linear_tile_rows
-    )
+        dtype=DTYPES[dtype_name], batch_invariant=config.batch_invariant, tile_rows=config.linear_tile_rows,
+        native_gemm=config.numerics_mode == "native",
+    )  # fmt: skip
 
 
 def build_model(

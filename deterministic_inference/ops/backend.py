@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from deterministic_inference.errors import ConfigError
 from deterministic_inference.model_spec import RopeScaling
 from deterministic_inference.ops.attention import AttentionMetadata, paged_attention, write_kv
 from deterministic_inference.ops.kv_format import cache_head_dim
@@ -41,11 +42,13 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass(frozen=True)
 class Numerics:
-    """How the ops compute: dtype, invariance switch and GEMM row tile."""
+    """How the ops compute: dtype, invariance switch, GEMM row tile, and whether the bf16 GEMM runs on the
+    CPU's AMX-BF16 tiles (`--numerics native`: bits fixed per CPU class, not by our source)."""
 
     dtype: torch.dtype
     batch_invariant: bool
     tile_rows: int
+    native_gemm: bool = False
 
 
 class OpsBackend(Protocol):
@@ -155,14 +158,16 @@ class NativeBackend:
 
     @property
     def portable(self) -> bool:
-        """True, unless a test put torch's log_softmax back on the path (`ops.portable`)."""
-        return os.environ.get(TORCH_LOG_SOFTMAX_ENV) != "1"
+        """True, unless the bf16 GEMM runs on the CPU's AMX-BF16 tiles (native numerics) or a test put
+        torch's log_softmax back on the path (`ops.portable`)."""
+        return not self.numerics.native_gemm and os.environ.get(TORCH_LOG_SOFTMAX_ENV) != "1"
 
     def linear(self, weight: LinearWeight, bias: torch.Tensor | None = None) -> Linear:
+        """The kernels' linear; under native numerics a bf16 weight's GEMM runs on the AMX-BF16 tiles."""
         numerics = self.numerics
         return Linear(
             weight, bias, batch_invariant=True, kernels=self.kernels,
-            out_dtype=numerics.dtype, dtype=numerics.dtype,
+            out_dtype=numerics.dtype, dtype=numerics.dtype, native_gemm=numerics.native_gemm,
         )  # fmt: skip
 
     def logits_head(self, weight: LinearWeight) -> Linear:
@@ -170,7 +175,7 @@ class NativeBackend:
         numerics = self.numerics
         return Linear(
             weight, None, batch_invariant=True, kernels=self.kernels,
-            out_dtype=torch.float32, dtype=numerics.dtype,
+            out_dtype=torch.float32, dtype=numerics.dtype, native_gemm=numerics.native_gemm,
         )  # fmt: skip
 
     def embedding(self, weight: StoredWeight) -> Embedding:
@@ -377,7 +382,15 @@ def split_heads(
 
 def select_backend(numerics: Numerics, kernels: NativeKernels | None = None) -> OpsBackend:
     """The backend for `numerics`: the compiled kernels in invariant mode (`kernels`, default this
-    process's build; raises NativeBuildError without a compiler), plain torch otherwise."""
+    process's build; raises NativeBuildError without a compiler), plain torch otherwise. Native numerics
+    (`numerics.native_gemm`) need the invariant kernels and this CPU's AMX-BF16 tiles: ConfigError naming
+    `--numerics` and what is missing otherwise (never a silent fall back to the portable GEMM)."""
+    if numerics.native_gemm and not numerics.batch_invariant:
+        raise ConfigError("--numerics native runs the invariant kernels: drop --no-batch-invariant")
     if numerics.batch_invariant:
-        return NativeBackend(numerics, kernels if kernels is not None else native_kernels())
+        kernels = kernels if kernels is not None else native_kernels()
+        missing = kernels.native_gemm_missing() if numerics.native_gemm else None
+        if missing is not None:
+            raise ConfigError(f"--numerics native: {missing}; use --numerics portable on this machine")
+        return NativeBackend(numerics, kernels)
     return TorchBackend(numerics)

@@ -33,12 +33,12 @@ from deterministic_inference.ops.rope import RotaryTable
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
-LINEAR_QUANT, LINEAR_BF16 = 1, 2  # csrc/decoder.c
+LINEAR_QUANT, LINEAR_BF16, LINEAR_BF16_AMX = 1, 2, 3  # csrc/decoder.c (AMX: --numerics native)
 _ERRORS = {
     1: (ValueError, "rotary_write_kv: a position, cache block or slot offset is out of range"),
     2: (ValueError, "attention kernel: a row sees no key or its block table is out of range"),
     3: (MemoryError, "attention kernel could not allocate its workspace"),
-    4: (MemoryError, "quantized GEMM could not allocate its work space"),
+    4: (MemoryError, "a GEMM (quantized, or the AMX-BF16 one) could not allocate its work space"),
     5: (ValueError, "fused decoder: a linear has no kernel for this dtype"),
 }
 
@@ -156,9 +156,8 @@ def _linear_struct(linear: Linear, model_dtype: torch.dtype) -> _Linear | None:
         return None
     packed, bias = native
     bias_pointer = None if bias is None else bias.data_ptr()
-    return _Linear(
-        LINEAR_BF16, None, 0, packed.data_ptr(), bias_pointer, linear.out_features, linear.in_features
-    )
+    kind = LINEAR_BF16_AMX if linear.native_gemm else LINEAR_BF16  # the per-op path's GEMM
+    return _Linear(kind, None, 0, packed.data_ptr(), bias_pointer, linear.out_features, linear.in_features)
 
 
 class FusedDecoder:

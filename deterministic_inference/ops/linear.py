@@ -49,6 +49,11 @@ class Linear:
 
     `out_dtype` (default: `dtype`) may be fp32 for bf16 weights: the native GEMM then returns its
     fp32 sums unrounded (the logits head); the other backends compute in fp32 on an fp32 copy of W.
+
+    `native_gemm` (`--numerics native`): a dense bf16 weight's GEMM runs on the CPU's AMX-BF16 tiles
+    (ops/csrc/gemm_amx.h) on the same packed weight: still invariant in the row count, the row's
+    position and the thread count, but with bits fixed per CPU class, not by our source. Quantized and
+    fp32 weights are unaffected.
     """
 
     def __init__(
@@ -60,7 +65,9 @@ class Linear:
         kernels: NativeKernels | None = None,
         out_dtype: torch.dtype | None = None,
         dtype: torch.dtype | None = None,
+        native_gemm: bool = False,
     ) -> None:
+        self.native_gemm = False  # True once a dense bf16 weight runs on the AMX-BF16 GEMM
         parts = [weight] if isinstance(weight, (torch.Tensor, QuantizedWeight, RowOrdered)) else list(weight)
         first = parts[0]
         dtype = dtype or (first.dtype if isinstance(first, torch.Tensor) else torch.float32)
@@ -83,7 +90,7 @@ class Linear:
         # Dense: every part cast (quantized parts dequantised: the plain backend, or a linear mixing
         # quantized and float parts) and stacked.
         self.formats = (dtype_format(dtype),) * len(parts)
-        self._init_dense(_stack([dense(part, dtype) for part in parts]), bias, dtype, kernels)
+        self._init_dense(_stack([dense(part, dtype) for part in parts]), bias, dtype, kernels, native_gemm)
 
     def _init_dense(
         self,
@@ -91,6 +98,7 @@ class Linear:
         bias: torch.Tensor | None,  # [N] in dtype
         dtype: torch.dtype,
         kernels: NativeKernels | None,
+        native_gemm: bool,
     ) -> None:
         self.out_features, self.in_features = weight.shape
         if kernels is not None and self.batch_invariant and dtype == torch.bfloat16:
@@ -98,6 +106,7 @@ class Linear:
             self.backend = "native"
             bias32 = None if bias is None else bias.float().contiguous()
             self._native = (kernels, kernels.pack_bf16(weight.contiguous()), bias32)
+            self.native_gemm = native_gemm
             return
         if kernels is not None and self.batch_invariant and dtype == torch.float32:
             # portable fp32 path: the packed weight [ceil(N/16) * K * 16] and the fp32 bias
@@ -130,7 +139,9 @@ class Linear:
             return self._quant(x)
         if self._native is not None:
             kernels, packed, bias32 = self._native
-            return kernels.gemm_bf16(x.contiguous(), packed, self.out_features, bias32, self.out_dtype)
+            return kernels.gemm_bf16(
+                x.contiguous(), packed, self.out_features, bias32, self.out_dtype, native=self.native_gemm
+            )
         if self._native_f32 is not None:
             kernels, packed, bias32 = self._native_f32
             return gemm_f32(kernels, x, packed, self.out_features, bias32)

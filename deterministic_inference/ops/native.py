@@ -194,9 +194,13 @@ class NativeKernels:
         out_features: int,  # N
         bias: torch.Tensor | None,  # [N] fp32 contiguous
         out_dtype: torch.dtype,  # torch.bfloat16 or torch.float32
+        native: bool = False,  # True: the AMX-BF16 tiles of native numerics (gemm_amx.h)
     ) -> torch.Tensor:
         """x W^T (+ b) -> [M, N]. Why invariant: each output is a fixed-order fp32 sum over its own row
-        and column (see gemm.c), whatever M, the row's position or the thread count."""
+        and column (see gemm.c), whatever M, the row's position or the thread count. With `native`, the
+        AMX-BF16 tiles: every row through the same tile instructions, K in one fixed order, threads
+        splitting N only (gemm_amx.h), so the same invariance holds on one CPU class, whose bits they are.
+        RuntimeError when native and this process cannot run them (`native_gemm_missing`)."""
         _check_activations((x,), torch.bfloat16)
         rows, k = x.shape if x.dim() == 2 else (0, -1)
         if x.dim() != 2 or packed.dtype != torch.bfloat16 or packed.numel() != packed_numel(out_features, k):
@@ -206,13 +210,24 @@ class NativeKernels:
         if out_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError("gemm_bf16: the output dtype must be bf16 or fp32")
         out = torch.empty((rows, out_features), dtype=out_dtype)
-        if rows:
-            self.library.detinf_gemm_bf16(
-                x.data_ptr(), rows, k, packed.data_ptr(), out_features,
-                None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),
-                int(out_dtype == torch.bfloat16),
-            )  # fmt: skip
+        if not rows:
+            return out
+        gemm = self.library.detinf_gemm_bf16_amx if native else self.library.detinf_gemm_bf16
+        status = gemm(
+            x.data_ptr(), rows, k, packed.data_ptr(), out_features,
+            None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),
+            int(out_dtype == torch.bfloat16),
+        )  # fmt: skip
+        if native and status:
+            raise (MemoryError if status == 3 else RuntimeError)(
+                f"gemm_bf16 (native numerics): {_AMX_STATUS.get(status, 'could not allocate its buffers')}"
+            )
         return out
+
+    def native_gemm_missing(self) -> str | None:
+        """None when this process can run the AMX-BF16 GEMM of `--numerics native`, else what is missing
+        (a phrase naming the CPU feature, the build or the OS permission)."""
+        return _AMX_STATUS.get(self.library.detinf_gemm_bf16_amx_status())
 
     def gemm_bf16_path(self) -> str:
         """The path this build's bf16 GEMM runs: "fma" (fp32 FMAs, Intel AVX-512), "vdpbf16ps" (AMD) or
@@ -222,6 +237,14 @@ class NativeKernels:
     def exp(self, x: float) -> float:
         """The kernel's exp for x in [-87, 0] (tests compare it with a float64 reference)."""
         return float(self.library.detinf_exp_nonpositive(x))
+
+
+# detinf_gemm_bf16_amx_status's codes -> what is missing
+_AMX_STATUS = {
+    1: "this CPU has no AMX-BF16 tiles (lscpu flags amx_tile, amx_bf16), or the kernels were built for "
+    "another -march (unset DETINF_KERNEL_MARCH)",
+    2: "the OS did not grant this process the AMX tile state (Linux >= 5.16, arch_prctl ARCH_REQ_XCOMP_PERM)",
+}
 
 
 def _check_inputs(
@@ -315,6 +338,10 @@ def load(path: Path) -> NativeKernels:
     library.detinf_pack_bf16.argtypes = [pointer, i64, i64, pointer]
     library.detinf_gemm_bf16.restype = None
     library.detinf_gemm_bf16.argtypes = [pointer, i64, i64, pointer, i64, pointer, pointer, ctypes.c_int]
+    library.detinf_gemm_bf16_amx.restype = ctypes.c_int
+    library.detinf_gemm_bf16_amx.argtypes = library.detinf_gemm_bf16.argtypes
+    library.detinf_gemm_bf16_amx_status.restype = ctypes.c_int
+    library.detinf_gemm_bf16_amx_status.argtypes = []
     library.detinf_gemm_bf16_path.restype = ctypes.c_int
     library.detinf_gemm_bf16_path.argtypes = []
     library.detinf_exp_nonpositive.restype = ctypes.c_float

@@ -3,7 +3,8 @@ backend (random weights and inputs from a fixed seed; `selfcheck.run_selfcheck` 
 
 - row ops (linears incl. the fp32-output logits head, RMSNorm, silu_mul, rotary): a row computed alone
   with one thread vs the same row inside batches of several sizes, at the first, a middle and the last
-  position, among random neighbours, with the configured thread count;
+  position, among random neighbours, with the configured thread count (under `--numerics native` the
+  bf16 linears run the AMX-BF16 GEMM, probed also at one 16-row tile and at a tile and a row);
 - attention: every query row of a sequence computed in one prefill vs in chunks of 7 and 16, as a
   one-row decode alone, decoded in a group with longer and shorter sequences, and prefilled beside
   another sequence's chunk.
@@ -111,6 +112,9 @@ def linear_probes(
         # in the row kernel): its fp32 outputs are the self-check's largest buffer (3.3 MB at 17 rows
         # of a 49k vocabulary), on top of the whole model. The other linears' 64 rows run 4 tiles.
         sizes = batch_sizes(tile_rows, 17 if name == "lm_head" else 64)
+        if linear.native_gemm:  # the AMX-BF16 GEMM's 16-row tiles: one full, and one plus a row
+            sizes = tuple(sorted({*sizes, 16, 17}))
+            label += " (native numerics: AMX-BF16)"
         results.append(row_probe("linear", label, linear, rows, sizes, threads, generator))
     return results
 

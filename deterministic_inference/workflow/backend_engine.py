@@ -82,6 +82,7 @@ def engine_config_for(manifest: dict[str, Any], location: ModelLocation) -> Any:
         kv_cache_memory=None if engine["kv_cache_memory"] is None else parse_bytes(engine["kv_cache_memory"]),
         quantization=engine["quantization"],
         kv_cache_dtype=engine.get("kv_cache_dtype", "auto"),
+        numerics_mode=engine.get("numerics", "portable"),
         max_model_len=engine["max_model_len"],
         max_num_seqs=batching["max_num_seqs"],
         max_num_batched_tokens=batching["max_num_batched_tokens"],

@@ -73,6 +73,7 @@ LATER_ENGINE_DEFAULTS: dict[str, Any] = {
     "kv_cache_memory": None,
     "quantization": "auto",
     "kv_cache_dtype": "auto",
+    "numerics": "portable",
 }
 
 

@@ -93,6 +93,7 @@ def _engine_defaults() -> dict[str, Any]:
         "kv_cache_memory": None,
         "quantization": "auto",
         "kv_cache_dtype": "auto",
+        "numerics": "portable",
         "selfcheck": True,
     }
 

@@ -63,6 +63,7 @@ def apply_manifest(args: argparse.Namespace, listen_defaults: dict[str, Any]) ->
         "kv_cache_memory": engine["kv_cache_memory"],
         "quantization": engine["quantization"],
         "kv_cache_dtype": engine.get("kv_cache_dtype", "auto"),
+        "numerics": engine.get("numerics", "portable"),
         "threads": data["runtime"]["threads"],
         "default_seed": engine["seed"],
         "no_selfcheck": not engine["selfcheck"],

@@ -91,6 +91,24 @@ def test_fused_equals_per_op_on_the_bf16_gemm_with_biases(tiny_qwen2_dir: TinyMo
     assert same(run_steps(model, fused=True), run_steps(model, fused=False))
 
 
+def test_fused_runs_the_native_gemm_under_native_numerics() -> None:
+    """`--numerics native`: the fused path calls the per-op path's AMX-BF16 GEMM (the same bits), and
+    those differ from the portable GEMM's, so a fused path that kept the portable GEMM would be seen. The
+    default model with every weight dequantised to bf16 (--quantization none): every linear on the GEMM."""
+    from deterministic_inference.ops.native import native_kernels
+
+    missing = native_kernels().native_gemm_missing()
+    if missing is not None:
+        pytest.skip(f"--numerics native cannot run here: {missing}")
+    loaded = load_model(None, "none")
+    native = build_model(loaded, EngineConfig(quantization="none", numerics_mode="native"), "bfloat16", 128)
+    assert native.fused is not None and native.layers[0].qkv.native_gemm
+    per_op = run_steps(native, fused=False)
+    assert same(run_steps(native, fused=True), per_op)
+    portable = build_model(loaded, EngineConfig(quantization="none"), "bfloat16", 128)
+    assert not same(run_steps(portable, fused=True), per_op)
+
+
 def test_models_the_fast_path_does_not_serve_take_the_per_op_path(
     tiny_qwen3_dir: TinyModel, tiny_qwen2_dir: TinyModel
 ) -> None:

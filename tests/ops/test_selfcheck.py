@@ -50,6 +50,31 @@ def test_the_q8_kv_cache_is_probed_when_selected(batch_invariant: bool) -> None:
     assert attention[0].ok is batch_invariant, attention[0].detail
 
 
+def test_native_numerics_probe_the_amx_gemm_and_catch_a_batch_dependent_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under native numerics every bf16 linear (logits head included) is probed on the AMX-BF16 GEMM, also
+    at 16 and 17 rows, and passes; on a build whose GEMM sends a partial row tile elsewhere (the negative
+    control) the linear probes fail."""
+    from deterministic_inference.ops import backend
+    from deterministic_inference.ops.native import load, native_kernels
+    from deterministic_inference.ops.native_build import build, cache_dir
+
+    missing = native_kernels().native_gemm_missing()
+    if missing is not None:
+        pytest.skip(f"--numerics native cannot run here: {missing}")
+    numerics = Numerics(torch.bfloat16, True, 4, native_gemm=True)
+    report = SelfCheck(SMOLLM2, numerics, 2).probe_weights()
+    linears = [r for r in report.results if r.op == "linear"]
+    assert report.ok, report.table()
+    assert len(linears) == 5 and all("AMX-BF16" in r.shape and "16,17" in r.detail for r in linears)
+    test_builds = cache_dir().parent / "test-builds"  # tests/ops/conftest.py's build_dir
+    ragged = load(build(("-march=native", "-DDETINF_TEST_AMX_RAGGED_OTHER"), test_builds))
+    monkeypatch.setattr(backend, "native_kernels", lambda: ragged)
+    failed = SelfCheck(SMOLLM2, numerics, 2).probe_weights()
+    assert {r.op for r in failed.failures} == {"linear"}, failed.table()
+
+
 def test_tiny_qwen3_fp32_passes_and_renders() -> None:
     previous = torch.get_num_threads()
     report = run_selfcheck(TINY_QWEN3, Numerics(torch.float32, True, 8), threads=1)

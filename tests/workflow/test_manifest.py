@@ -42,6 +42,7 @@ BAD_MANIFESTS = [
     ("tile rows zero", {"engine": {"linear_tile_rows": 0}}, "$.engine.linear_tile_rows"),
     ("bad quantization", {"engine": {"quantization": "q4_0"}}, "$.engine.quantization: 'q4_0' is not"),
     ("bad kv cache dtype", {"engine": {"kv_cache_dtype": "q4_0"}}, "$.engine.kv_cache_dtype: 'q4_0' is not"),
+    ("bad numerics", {"engine": {"numerics": "fast"}}, "$.engine.numerics: 'fast' is not"),
     ("bad kv size", {"engine": {"kv_cache_memory": "2 parsecs"}}, "$.engine.kv_cache_memory"),
     ("two kv sizes", {"engine": {"kv_cache_memory": "1GiB", "num_kv_blocks": 8}}, "set only one"),
 ]
@@ -138,14 +139,18 @@ def test_later_engine_fields_keep_old_ids_at_their_defaults(tmp_path: Path) -> N
     them (as written before) and one spelling out their defaults share the id; other values change it."""
     old = load_manifest(write_json(tmp_path / "old.json", minimal()))
     assert old.data["engine"]["quantization"] == "auto" and old.data["engine"]["kv_cache_memory"] is None
-    assert old.data["engine"]["kv_cache_dtype"] == "auto"
-    spelled = minimal(engine={"quantization": "auto", "kv_cache_memory": None, "kv_cache_dtype": "auto"})
+    assert old.data["engine"]["kv_cache_dtype"] == "auto" and old.data["engine"]["numerics"] == "portable"
+    defaults = {
+        "quantization": "auto", "kv_cache_memory": None, "kv_cache_dtype": "auto", "numerics": "portable"
+    }
+    spelled = minimal(engine=defaults)
     assert load_manifest(write_json(tmp_path / "spelled.json", spelled)).manifest_id == old.manifest_id
     for engine in (
         {"quantization": "none"},
         {"kv_cache_memory": "2GiB"},
         {"kv_cache_memory": 4096},
         {"kv_cache_dtype": "q8_0"},
+        {"numerics": "native"},
     ):
         changed = load_manifest(write_json(tmp_path / "changed.json", minimal(engine=engine)))
         assert changed.manifest_id != old.manifest_id, engine
@@ -180,3 +185,14 @@ def test_kv_cache_dtype_reaches_the_engine_config(tmp_path: Path) -> None:
         manifest = load_manifest(write_json(tmp_path / f"{value}.json", document))
         config = engine_config_for(manifest.data, ModelLocation(engine_path=None, root=None))
         assert config.kv_cache_dtype == value
+
+
+def test_numerics_reaches_the_engine_config(tmp_path: Path) -> None:
+    from deterministic_inference.workflow.artifacts import ModelLocation
+    from deterministic_inference.workflow.backend_engine import engine_config_for
+
+    for value in ("portable", "native"):
+        document = minimal(engine={"numerics": value})
+        manifest = load_manifest(write_json(tmp_path / f"{value}.json", document))
+        config = engine_config_for(manifest.data, ModelLocation(engine_path=None, root=None))
+        assert config.numerics_mode == value

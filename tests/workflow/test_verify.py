@@ -230,3 +230,35 @@ def test_damaged_or_incomplete_runs_are_errors(reference: Path, tmp_path: Path, 
     result = detinf("verify", "--bundle-a", reference, "--bundle-b", target, "--output-dir", tmp_path / "v")
     assert result.code == 2 and str(target) in result.err
     assert not (tmp_path / "v").exists()
+
+
+def _amx_missing() -> str | None:
+    from deterministic_inference.ops.native import native_kernels
+
+    return native_kernels().native_gemm_missing()
+
+
+def test_native_numerics_on_other_hardware_is_non_conformant_hardware(
+    reference: Path, tmp_path: Path
+) -> None:
+    """`engine.numerics: native` (the AMX-BF16 GEMM): the run records portable false, the mode and the ISA;
+    a second native run on this CPU is conformant with it, the same run recorded as another CPU's (ISA
+    flags and model differ) is non_conformant_hardware."""
+    missing = _amx_missing()
+    if missing is not None:
+        pytest.skip(f"--numerics native cannot run here: {missing}")
+    manifest = edit_manifest(reference.parent / "tiny.json", {"engine": {"numerics": "native"}},
+                             tmp_path / "native.json")
+    assert detinf("lock", "--config", manifest).code == 0
+    for name in ("a", "b"):
+        assert detinf("run", "--config", manifest, "--output-dir", tmp_path / name).code == 0
+    numerics = read_json(tmp_path / "a" / "bundle.json")["fingerprint"]["numerics"]
+    assert numerics["portable"] is False and numerics["numerics_mode"] == "native"
+    assert numerics["isa"]["cpu"]["amx_bf16"] is True
+    assert verify_paths(tmp_path / "a", tmp_path / "b")["grade"] == "conformant"
+    other = rewrite(tmp_path / "b", tmp_path / "other-cpu", bundle=other_hardware)
+    report = verify_paths(tmp_path / "a", other)
+    assert report["grade"] == "non_conformant_hardware"
+    assert "non-portable" in report["reasons"][0]
+    # against the portable reference: other numerics, graded as a non-portable run beside a portable one
+    assert verify_paths(reference, tmp_path / "a")["grade"] != "conformant"

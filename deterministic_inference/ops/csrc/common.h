@@ -13,6 +13,17 @@
 #define INLINE static inline __attribute__((always_inline))
 #define LANES 16
 
+#if defined(__AMX_TILE__)
+/* What ldtilecfg reads (palette 1: per tile its bytes per row and rows). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tile_config;
+/* quant_amx.c: 1 when this process may use the AMX tiles (the kernel asked once per process), else 0. */
+int amx_usable(void);
+#endif
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float value;

@@ -33,15 +33,17 @@ int detinf_quant_gemm(const void *x, int64_t m, int64_t k, int x_bf16, const det
                       const float *bias, void *out, int64_t n, int out_bf16, int flags);
 void detinf_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                       const float *bias, void *out, int out_bf16);
+int detinf_gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                         const float *bias, void *out, int out_bf16);
 
-enum { LINEAR_QUANT = 1, LINEAR_BF16 = 2 };
+enum { LINEAR_QUANT = 1, LINEAR_BF16 = 2, LINEAR_BF16_AMX = 3 }; /* AMX: --numerics native (gemm_amx.h) */
 /* status codes (ops/fused.py raises the per-op path's errors for them) */
 enum { FUSED_OK = 0, FUSED_ROTARY_RANGE = 1, FUSED_ATTENTION_RANGE = 2, FUSED_ATTENTION_MEMORY = 3,
        FUSED_GEMM_MEMORY = 4, FUSED_BAD_LINEAR = 5 };
 
 /* One linear as ops/linear.py built it (ctypes mirror in ops/fused.py). */
 typedef struct {
-    int64_t kind;               /* LINEAR_QUANT or LINEAR_BF16 */
+    int64_t kind;               /* LINEAR_QUANT, LINEAR_BF16 or LINEAR_BF16_AMX */
     const detinf_qpart *parts;  /* quantized: the parts table of ops/quant.py's QuantLinear */
     int64_t nparts;
     const uint16_t *packed;     /* bf16: detinf_pack_bf16's layout */
@@ -83,7 +85,13 @@ static int run_linear(const detinf_linear *linear, const void *x, int64_t m, int
                    ? FUSED_GEMM_MEMORY
                    : FUSED_OK;
     }
-    if (linear->kind != LINEAR_BF16 || !model_bf16) return FUSED_BAD_LINEAR;
+    if (!model_bf16) return FUSED_BAD_LINEAR;
+    if (linear->kind == LINEAR_BF16_AMX) /* the per-op path's native GEMM, the same call */
+        return detinf_gemm_bf16_amx((const uint16_t *)x, m, linear->k, linear->packed, linear->n, linear->bias,
+                                    out, 1)
+                   ? FUSED_GEMM_MEMORY
+                   : FUSED_OK;
+    if (linear->kind != LINEAR_BF16) return FUSED_BAD_LINEAR;
     detinf_gemm_bf16((const uint16_t *)x, m, linear->k, linear->packed, linear->n, linear->bias, out, 1);
     return FUSED_OK;
 }

@@ -129,6 +129,7 @@ static void store_tile(const float *tile, int R, int64_t r0, int64_t c0, int64_t
 }
 
 #include "gemm_fma.h" /* the FMA path (after store_tile, which it calls) */
+#include "gemm_amx.h" /* the AMX-BF16 path of native numerics (after store_tile too) */
 
 /* w [n, k] bf16 -> packed [ceil(n/16)][ceil(k/2)][16][2], zero padded, denormals flushed to zero. */
 void detinf_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
@@ -182,5 +183,39 @@ int detinf_gemm_bf16_path(void) {
     return 1;
 #else
     return 0;
+#endif
+}
+
+/* Whether this process can run the AMX-BF16 GEMM (native numerics): 0 yes, 1 this build has no AMX-BF16
+   (the CPU lacks it, or the kernels were built for another -march), 2 the OS did not grant the tile state. */
+int detinf_gemm_bf16_amx_status(void) {
+#if defined(DETINF_GEMM_AMX)
+    return amx_usable() ? 0 : 2;
+#else
+    return 1;
+#endif
+}
+
+/* detinf_gemm_bf16's arguments and output layout on the AMX-BF16 tiles (gemm_amx.h): bits fixed per CPU
+   class, invariant in m, row position and thread count. Returns 0, detinf_gemm_bf16_amx_status's code when
+   the path cannot run, or 3 when a buffer cannot be allocated; out is untouched unless 0. */
+int detinf_gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                         const float *bias, void *out, int out_bf16) {
+    const int status = detinf_gemm_bf16_amx_status();
+    if (status != 0) return status;
+#if defined(DETINF_GEMM_AMX)
+#if defined(DETINF_TEST_AMX_RAGGED_OTHER) /* negative control: a call's partial last row tile elsewhere */
+    const int64_t whole = m / AMX_TILE_ROWS * AMX_TILE_ROWS;
+    if (whole < m) {
+        const size_t item = out_bf16 ? sizeof(uint16_t) : sizeof(float);
+        detinf_gemm_bf16(x + whole * k, m - whole, k, packed, n, bias, (char *)out + whole * n * item, out_bf16);
+        m = whole;
+    }
+    if (m == 0) return 0;
+#endif
+    return gemm_bf16_amx(x, m, k, packed, n, bias, out, out_bf16) == 0 ? 0 : 3;
+#else
+    (void)x, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)out, (void)out_bf16;
+    return 1;
 #endif
 }

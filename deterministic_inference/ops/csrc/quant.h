@@ -237,9 +237,8 @@ void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0
 void fused_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, float *acc);
 #endif
 #if defined(DETINF_Q_AMX)
-/* quant_amx.c: amx_usable once per process; amx_begin / amx_end around a thread's use of the tiles;
-   amx_rows: rows [r0, r0 + 16 tiles) x the chunk of a 32-value format (the bits of kernel_rows) */
-int amx_usable(void);
+/* quant_amx.c: amx_usable (common.h) once per process; amx_begin / amx_end around a thread's use of the
+   tiles; amx_rows: rows [r0, r0 + 16 tiles) x the chunk of a 32-value format (the bits of kernel_rows) */
 void amx_begin(void);
 void amx_end(void);
 void amx_rows(int64_t format, const xquant *xq, int64_t r0, int64_t tiles, int64_t u0, int64_t units,

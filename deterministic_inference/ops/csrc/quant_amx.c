@@ -17,7 +17,7 @@
 
 #include "quant512.h" /* as_float */
 
-#if defined(DETINF_Q_AMX)
+#if defined(__AMX_TILE__)
 
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -25,29 +25,29 @@
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-#define AMX_GROUP 4 /* units whose tile products are stored before their float operations run */
-
-/* The tiles: 0, 1 = the int32 sums of the two halves [16 rows][16 columns]; 2 = activations [16 rows][32
-   bytes]; 3, 4 = the two halves' unit [8 rows][64 bytes]. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
 
 static int amx_granted;
 static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
 
 static void amx_request(void) { amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
 
-/* 1 when this process may use the AMX tiles (asked of the kernel once per process), else 0. */
+/* 1 when this process may use the AMX tiles (asked of the kernel once per process), else 0. Shared by the
+   AMX-INT8 quantized GEMM and the AMX-BF16 GEMM (gemm_amx.h). */
 int amx_usable(void) {
     pthread_once(&amx_once, amx_request);
     return amx_granted;
 }
 
-/* A constant in memory: GCC 12 drops stores to a local configuration that only ldtilecfg reads. */
-static const tile_config amx_config = {
+#endif
+
+#if defined(DETINF_Q_AMX)
+
+#define AMX_GROUP 4 /* units whose tile products are stored before their float operations run */
+
+/* The tiles: 0, 1 = the int32 sums of the two halves [16 rows][16 columns]; 2 = activations [16 rows][32
+   bytes]; 3, 4 = the two halves' unit [8 rows][64 bytes]. A constant in memory: GCC 12 drops stores to a
+   local configuration that only ldtilecfg reads. */
+static const amx_tile_config amx_config = {
     .palette = 1,
     .colsb = {64, 64, UNIT, 64, 64, 64, UNIT, 64},
     .rows = {AMX_ROWS, AMX_ROWS, AMX_ROWS, 8, AMX_ROWS, AMX_ROWS, AMX_ROWS, 8},

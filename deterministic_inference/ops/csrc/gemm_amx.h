@@ -1,0 +1,242 @@
+/* gemm_amx.h: the bf16 GEMM on AMX-BF16 tiles (TDPBF16PS), for `--numerics native` only.
+
+   out[m, n] = x[m, :] . w[n, :] (+ bias[n]): bf16 in, fp32 sums, fp32 or bf16 out, on the weight gemm.c
+   packs once at load. That layout, [n / 16][k / 2][16][2], is already the AMX B operand: 16 pairs of one
+   16-column block are one B tile of 16 rows x 64 bytes (stride 64). A tile is 16 rows of x x 32 values.
+
+   These bits are NOT gemm.c's documented sum: TDPBF16PS's internal order and rounding belong to the CPU
+   (issue 17 could not reproduce them in portable C), so they are fixed per CPU class only, and the engine
+   runs this path only when the user asks for native numerics (the fingerprint then records the ISA).
+
+   Why a row's bits still do not depend on the batch, its position in it, or the thread count, on one CPU:
+   - every row of every call goes through the same instructions: rows are taken 16 at a time into A tiles
+     (the last tile of a call zero padded to 16 rows; padding rows are never stored), whatever m is, so a
+     row alone (m = 1..3, decode) runs the very TDPBF16PS sequence it runs inside a batch of 129, never
+     VDPBF16PS or another width. TDPBF16PS computes each output row from its own A row (the tests check
+     it on the CPU: a row alone == the same row at the first, middle and last position of batches);
+   - each 16 x 16 output block has one accumulator tile, zeroed, then one TDPBF16PS per 32-value K step in
+     ascending order (k zero padded to a multiple of 32; a padded pair adds +0 products), then stored once:
+     K is never split, by threads or otherwise. Threads share out 64-column panels (N) only, so 1 and 2
+     threads give the same bits;
+   - the fp32 sums then take gemm.c's store_tile: the bias added once in fp32, one rounding to bf16.
+   Grouping (2 row tiles x 2 blocks, or 1 row tile x 4 blocks, per pass) changes which tiles sit side by
+   side, never an accumulator's instruction sequence.
+
+   Included by gemm.c after store_tile. DETINF_GEMM_AMX says whether this build has the path (AMX-TILE and
+   AMX-BF16 in the -march); at run time the kernel must also grant the tile state (amx_usable, once per
+   process). Test-only negative controls (never set by the package): DETINF_TEST_AMX_RAGGED_OTHER sends the
+   rows of a call's last, partial row tile to gemm.c's other path; DETINF_TEST_AMX_SPLIT_K splits K into
+   one part per thread, each part its own tile, summed in fp32. */
+
+#ifndef DETINF_GEMM_AMX_H
+#define DETINF_GEMM_AMX_H
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#include <omp.h>
+
+#define AMX_TILE_ROWS 16  /* rows of x per A tile */
+#define AMX_K_STEP 32     /* bf16 values of K per TDPBF16PS */
+#define AMX_STEP_PAIRS 16 /* pairs of K per TDPBF16PS (B tile rows) */
+#define AMX_TILE_BYTES 1024
+
+/* Tiles 0..3: fp32 accumulators [16 rows][16 columns]; 4, 5: x [16 rows][32 bf16]; 6, 7: w [16 pairs][16
+   columns][2]. Every tile is 16 rows x 64 bytes. A constant in memory (see quant_amx.c). */
+static const amx_tile_config gemm_amx_tiles = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+/* The operands of one call, after padding: xa [row_tiles * 16][AMX_A_WIDTH(steps)] bf16 (zero padded
+   rows and K), the packed weight and, when k is not a multiple of 32, each block's last K step copied
+   zero padded. */
+typedef struct {
+    const uint16_t *xa;
+    int64_t steps, full_steps, pairs, block_stride; /* K steps in all, those read in place, pairs per block */
+    const uint16_t *packed;
+    const uint16_t *tails; /* [blocks][16 pairs][32] or NULL when full_steps == steps */
+} amx_operands;
+
+/* The B tile of block b, K step s: in place in the packed weight, or the zero padded copy of its tail. */
+INLINE const uint16_t *amx_b(const amx_operands *op, int64_t b, int64_t s) {
+    if (s < op->full_steps) return op->packed + b * op->block_stride + s * AMX_STEP_PAIRS * 32;
+    return op->tails + b * AMX_TILE_BYTES / 2;
+}
+
+/* Elements per row of xa: K padded to whole steps, plus one unread 64-byte line, so that the 16 rows of
+   an A tile do not all fall into one L1 set when K * 2 bytes is a multiple of 4 KiB (K = 2048, 8192). */
+#define AMX_A_WIDTH(steps) ((steps) * AMX_K_STEP + AMX_K_STEP)
+#define AMX_A_STRIDE(op) (AMX_A_WIDTH((op)->steps) * 2) /* bytes per row of xa */
+
+/* 16 rows (row tile t) x up to 4 blocks from block b0: C tiles 0..nb-1; A tile 4; B tiles 6, 7. */
+static void amx_rows16(const amx_operands *op, int64_t t, int64_t b0, int nb, float *tile) {
+    const uint16_t *a = op->xa + t * AMX_TILE_ROWS * AMX_A_WIDTH(op->steps);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < op->steps; s++) {
+        _tile_loadd(4, a + s * AMX_K_STEP, AMX_A_STRIDE(op));
+        _tile_loadd(6, amx_b(op, b0, s), 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (nb > 1) {
+            _tile_loadd(7, amx_b(op, b0 + 1, s), 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (nb > 2) {
+            _tile_loadd(6, amx_b(op, b0 + 2, s), 64);
+            _tile_dpbf16ps(2, 4, 6);
+        }
+        if (nb > 3) {
+            _tile_loadd(7, amx_b(op, b0 + 3, s), 64);
+            _tile_dpbf16ps(3, 4, 7);
+        }
+    }
+    const int stride = PANEL_COLS * (int)sizeof(float);
+    _tile_stored(0, tile, stride);
+    if (nb > 1) _tile_stored(1, tile + LANES, stride);
+    if (nb > 2) _tile_stored(2, tile + 2 * LANES, stride);
+    if (nb > 3) _tile_stored(3, tile + 3 * LANES, stride);
+}
+
+/* 32 rows (row tiles t, t + 1) x up to 2 blocks from b0: C tiles 2i + j; A tiles 4, 5; B tiles 6, 7. */
+static void amx_rows32(const amx_operands *op, int64_t t, int64_t b0, int nb, float *tile) {
+    const uint16_t *a0 = op->xa + t * AMX_TILE_ROWS * AMX_A_WIDTH(op->steps);
+    const uint16_t *a1 = a0 + AMX_TILE_ROWS * AMX_A_WIDTH(op->steps);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < op->steps; s++) {
+        _tile_loadd(4, a0 + s * AMX_K_STEP, AMX_A_STRIDE(op));
+        _tile_loadd(5, a1 + s * AMX_K_STEP, AMX_A_STRIDE(op));
+        _tile_loadd(6, amx_b(op, b0, s), 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        if (nb > 1) {
+            _tile_loadd(7, amx_b(op, b0 + 1, s), 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    const int stride = PANEL_COLS * (int)sizeof(float);
+    _tile_stored(0, tile, stride);
+    _tile_stored(2, tile + AMX_TILE_ROWS * PANEL_COLS, stride);
+    if (nb > 1) {
+        _tile_stored(1, tile + LANES, stride);
+        _tile_stored(3, tile + AMX_TILE_ROWS * PANEL_COLS + LANES, stride);
+    }
+}
+
+#if defined(DETINF_TEST_AMX_SPLIT_K)
+/* Negative control: each output's K steps split into `parts` ranges (the thread count), each range its own
+   accumulator tile, the ranges' sums added in fp32 in range order. 16 rows x 1 block. */
+static void amx_split_k(const amx_operands *op, int64_t t, int64_t b, int parts, float *tile) {
+    float part_sums[AMX_TILE_ROWS * LANES];
+    const uint16_t *a = op->xa + t * AMX_TILE_ROWS * AMX_A_WIDTH(op->steps);
+    for (int r = 0; r < AMX_TILE_ROWS; r++)
+        for (int c = 0; c < LANES; c++) tile[r * PANEL_COLS + c] = 0.0f;
+    for (int part = 0; part < parts; part++) {
+        _tile_zero(0);
+        for (int64_t s = op->steps * part / parts; s < op->steps * (part + 1) / parts; s++) {
+            _tile_loadd(4, a + s * AMX_K_STEP, AMX_A_STRIDE(op));
+            _tile_loadd(6, amx_b(op, b, s), 64);
+            _tile_dpbf16ps(0, 4, 6);
+        }
+        _tile_stored(0, part_sums, LANES * (int)sizeof(float));
+        for (int r = 0; r < AMX_TILE_ROWS; r++)
+            for (int c = 0; c < LANES; c++) tile[r * PANEL_COLS + c] += part_sums[r * LANES + c];
+    }
+}
+#endif
+
+/* One 64-column panel (blocks [b0, b0 + B), columns from c0) for every row tile, stored by store_tile:
+   one row tile x the whole panel for calls of one tile, else two row tiles x two blocks at a time, the
+   row pair outside, so its x rows stay in L2 across the panel's blocks (whose weights stay there too). */
+static void amx_panel(const amx_operands *op, int64_t m, int64_t row_tiles, int64_t b0, int B, int64_t n,
+                      const float *bias, void *out, int out_bf16, int split_parts) {
+    float tile[2 * AMX_TILE_ROWS * PANEL_COLS] __attribute__((aligned(64)));
+    const int wide = row_tiles == 1 ? BLOCKS_PER_PANEL : 2;
+    for (int64_t t = 0; t < row_tiles; t += 2) {
+        const int two = wide == 2 && t + 1 < row_tiles;
+        const int64_t r0 = t * AMX_TILE_ROWS;
+        const int64_t rows = m - r0 < (1 + two) * AMX_TILE_ROWS ? m - r0 : (1 + two) * AMX_TILE_ROWS;
+        for (int bb = 0; bb < B; bb += wide) {
+            const int nb = B - bb < wide ? B - bb : wide;
+            const int64_t c0 = (b0 + bb) * LANES;
+            const int64_t cols = n - c0 < nb * LANES ? n - c0 : nb * LANES;
+            (void)split_parts;
+#if defined(DETINF_TEST_AMX_SPLIT_K)
+            for (int64_t tt = t; tt < t + 1 + two; tt++)
+                for (int j = 0; j < nb; j++)
+                    amx_split_k(op, tt, b0 + bb + j, split_parts,
+                                tile + (tt - t) * AMX_TILE_ROWS * PANEL_COLS + j * LANES);
+#else
+            if (two) amx_rows32(op, t, b0 + bb, nb, tile);
+            else amx_rows16(op, t, b0 + bb, nb, tile);
+#endif
+            store_tile(tile, (int)rows, r0, c0, cols, n, bias, out, out_bf16);
+        }
+    }
+}
+
+/* x [m, k] -> xa [row_tiles * 16][AMX_A_WIDTH(steps)], zero padded (rows and K). Denormals are left as
+   they are: TDPBF16PS reads them as zero. */
+static void amx_pad_rows(const uint16_t *x, int64_t m, int64_t k, int64_t row_tiles, int64_t steps,
+                         uint16_t *xa) {
+    const int64_t width = AMX_A_WIDTH(steps);
+    memset(xa, 0, (size_t)(row_tiles * AMX_TILE_ROWS * width) * sizeof(uint16_t));
+    for (int64_t r = 0; r < m; r++) memcpy(xa + r * width, x + r * k, (size_t)k * sizeof(uint16_t));
+}
+
+/* Each block's last K step, when k is not a multiple of 32: its pairs copied into a zeroed 16-pair tile. */
+static void amx_copy_tails(const amx_operands *op, int64_t blocks, uint16_t *tails) {
+    const int64_t first = op->full_steps * AMX_STEP_PAIRS, count = op->pairs - first;
+    memset(tails, 0, (size_t)(blocks * AMX_TILE_BYTES));
+    for (int64_t b = 0; b < blocks; b++)
+        memcpy(tails + b * AMX_TILE_BYTES / 2, op->packed + b * op->block_stride + first * 32,
+               (size_t)(count * 64));
+}
+
+/* detinf_gemm_bf16's arguments on the AMX tiles. Returns 0, or -1 without touching out when a buffer
+   cannot be allocated. The calling thread's tile permission is the caller's (detinf_gemm_bf16_amx). */
+static int gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                         const float *bias, void *out, int out_bf16) {
+    const int64_t pairs = (k + 1) / 2, blocks = (n + LANES - 1) / LANES;
+    const int64_t steps = (pairs + AMX_STEP_PAIRS - 1) / AMX_STEP_PAIRS;
+    const int64_t row_tiles = (m + AMX_TILE_ROWS - 1) / AMX_TILE_ROWS;
+    amx_operands op = {NULL, steps, pairs / AMX_STEP_PAIRS, pairs, pairs * 32, packed, NULL};
+    uint16_t *xa = malloc((size_t)(row_tiles * AMX_TILE_ROWS * AMX_A_WIDTH(steps)) * sizeof(uint16_t));
+    uint16_t *tails = op.full_steps < steps ? malloc((size_t)(blocks * AMX_TILE_BYTES)) : NULL;
+    if (!xa || (op.full_steps < steps && !tails)) {
+        free(xa);
+        free(tails);
+        return -1;
+    }
+    amx_pad_rows(x, m, k, row_tiles, steps, xa);
+    if (tails) amx_copy_tails(&op, blocks, tails);
+    op.xa = xa;
+    op.tails = tails;
+    const int64_t panels = (blocks + BLOCKS_PER_PANEL - 1) / BLOCKS_PER_PANEL;
+    const int split_parts = omp_get_max_threads(); /* the negative control's parts only */
+#pragma omp parallel if (m * n * k >= (int64_t)1 << 20)
+    {
+        _tile_loadconfig(&gemm_amx_tiles); /* the tile configuration is per thread */
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < panels; j++) {
+            const int64_t b0 = j * BLOCKS_PER_PANEL;
+            const int B = (int)(blocks - b0 < BLOCKS_PER_PANEL ? blocks - b0 : BLOCKS_PER_PANEL);
+            amx_panel(&op, m, row_tiles, b0, B, n, bias, out, out_bf16, split_parts);
+        }
+        _tile_release();
+    }
+    free(xa);
+    free(tails);
+    return 0;
+}
+
+#define DETINF_GEMM_AMX 1
+#endif
+
+#endif

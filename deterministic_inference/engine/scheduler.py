@@ -16,11 +16,12 @@ A preempted sequence recomputes prompt + outputs as its "prompt"; its chunks are
 its known tokens are computed (`ScheduledChunk.sample`). The plan's chunks are ordered by arrival.
 
 Speculation (`speculative`): a running sequence that decodes (one known token left to compute) may add
-drafted tokens to its chunk (`engine/speculative.py` proposes them, within the budget, its max_tokens and
-max_model_len, only while the running sequences are at most `disable_by_batch_size`, and only when the
-pool holds them without preempting anyone). `update` advances
-num_computed_tokens over the verified tokens only and gives back the blocks past the known tokens, so
-the prefix cache (which registers full blocks of computed tokens) never holds an unverified token.
+drafted tokens to its chunk (`engine/speculative.py` proposes them, as many as its cost-aware draft length
+allows at the step's number of running sequences, within the budget, its max_tokens and max_model_len,
+only while the running sequences are at most `disable_by_batch_size`, and only when the pool holds them
+without preempting anyone). `update` advances num_computed_tokens over the verified tokens only and gives
+back the blocks past the known tokens, so the prefix cache (which registers full blocks of computed
+tokens) never holds an unverified token.
 
 Deterministic: the only inputs are the calls made on it; queues are lists kept sorted by arrival
 number; no wall clock, no set or dict iteration. Every `schedule()` must be followed by `update()` with
@@ -256,7 +257,7 @@ class Scheduler:
         )
         if room < 1:
             return []
-        limit = min(length.next(), room)
+        limit = min(length.next(len(self._running)), room)
         if self.draft_model is not None:
             drafts = self.draft_model.propose(request, limit)
         else:

@@ -42,6 +42,7 @@ from deterministic_inference.engine.outputs import RequestDelta
 from deterministic_inference.engine.plan import ScheduledChunk, StepPlan
 from deterministic_inference.engine.request import Request, RequestStatus
 from deterministic_inference.engine.speculative import (
+    PROBE_MIN_MATCH,
     DraftLength,
     SpecDecodeStats,
     SpeculativeConfig,
@@ -257,13 +258,17 @@ class Scheduler:
         )
         if room < 1:
             return []
-        limit = min(length.next(len(self._running)), room)
+        batch = len(self._running)
+        limit = min(length.next(batch), room)
+        if limit < 1:
+            return []
         if self.draft_model is not None:
             drafts = self.draft_model.propose(request, limit)
         else:
-            drafts = propose_ngram(
-                request.all_token_ids, limit, config.prompt_lookup_min, config.prompt_lookup_max
-            )
+            lookup_min = config.prompt_lookup_min
+            if length.probing(batch):  # a probe drafts only from a long match (PROBE_MIN_MATCH)
+                lookup_min = max(lookup_min, min(PROBE_MIN_MATCH, config.prompt_lookup_max))
+            drafts = propose_ngram(request.all_token_ids, limit, lookup_min, config.prompt_lookup_max)
         if request.grammar is not None:  # its matcher never consumes an ending token (spec_verify)
             ending = set(request.params.stop_token_ids) | set(self.eos_token_ids)
             cut = next((i for i, token in enumerate(drafts) if token in ending), len(drafts))

@@ -190,6 +190,12 @@ class SpecDecodeStats:
 ROWS_PER_WEIGHT_PASS = 16
 
 
+# The shortest suffix match an ngram probe drafts from (capped by prompt_lookup_max): below break-even a
+# sequence tests whether its text has started to copy, and a 1- or 2-token match says little about that
+# (in free text most tokens recur somewhere), while 3 tokens that recur are a quote in progress.
+PROBE_MIN_MATCH = 3
+
+
 def break_even_rate(batch: int) -> float:
     """The chance of acceptance a draft token needs to pay for its verification row in a step of
     `batch` decoding rows: the row adds 1 / (ROWS_PER_WEIGHT_PASS + batch) of the step's time, and the
@@ -222,10 +228,12 @@ class DraftLength:
 
     Adaptive length, as before: grows by one after a fully accepted draft, falls to (accepted + 1) after
     a partial one, and to 0 after two drafts in a row with nothing accepted; at 0 it waits `PAUSE` decode
-    steps, then tries one token again. Below break-even (affordable length 0) the sequence drafts only
-    such one-token probes, and one rejected probe pauses it for `PAUSE * scale(batch)` steps, scale(batch)
-    = batch (C + 1) / (C + batch): 1 for a single stream, ~11 at 32 rows, so probes cost about the same
-    share of a step's time at any batch size. Pauses double with each pause in a row (up to 8x) until a
+    steps, then tries one token again. Below break-even (affordable length 0, `probing`) the sequence
+    drafts only such one-token probes (ngram: from a match of PROBE_MIN_MATCH tokens), and two rejected
+    in a row pause it for `PAUSE * scale(batch)` steps instead, scale(batch) = batch (C + 1) / (C +
+    batch): 1 for a single stream, ~11 at 32 rows, so probes cost about the same share of a step's time
+    at any batch size (two, not one: a quote that starts mid-word often misses its first draft and then
+    copies). Pauses double with each pause in a row (up to 8x) until a
     draft is accepted again. Only speed depends on all this: the tokens are plain decoding's whatever is
     drafted; the decisions themselves are a pure function of the calls made (no clock)."""
 
@@ -246,6 +254,10 @@ class DraftLength:
         """Estimated chance that a draft position is accepted (uniform prior: 1/2 with no record)."""
         return (self.accepted + 1.0) / (self.tested + 2.0)
 
+    def probing(self, batch: int) -> bool:
+        """True when no draft token pays for its row at this batch size: a draft now is a probe."""
+        return affordable_length(self.rate, batch, self.limit) == 0
+
     def next(self, batch: int = 1) -> int:
         """Tokens to draft this step (0 = none), in a step with `batch` running sequences."""
         if self.current < 0:
@@ -260,7 +272,7 @@ class DraftLength:
 
     def update(self, drafted: int, accepted: int) -> None:
         """Adapt after a verified draft of `drafted` tokens that kept `accepted`."""
-        probe = affordable_length(self.rate, self.batch, self.limit) == 0
+        probe = self.probing(self.batch)
         self.tested = self.DECAY * self.tested + accepted + (1 if accepted < drafted else 0)
         self.accepted = self.DECAY * self.accepted + accepted
         if accepted > 0:
@@ -268,7 +280,7 @@ class DraftLength:
             self.current = min(self.limit, drafted + 1) if accepted == drafted else accepted + 1
             return
         self.misses += 1
-        self.current = 0 if self.misses >= 2 or probe else 1
+        self.current = 0 if self.misses >= 2 else 1
         if self.current == 0:
             pause = self._probe_pause() if probe else self.PAUSE
             self.paused, self.misses = pause << min(self.pauses, 3), 0

@@ -5,6 +5,11 @@ Run by hand from the repository root:
     .venv/bin/python -m bench.bench_spec [--model default] [--threads 1 2] [--output-len 96] [--repeats 3] \
         [--prompts "copy: repeat a passage" "free text"] [--streams 32] [--disable-by-batch-size N]
 
+Prompt kinds: a passage to quote and summarise, a one-function code edit written as a completion, a
+passage to repeat, free text, and "copy: code edit (chat)": a user's request to rename a variable in two
+short functions and return the whole code, rendered by the model's chat template (as
+/v1/chat/completions sends it; llama.cpp gets the same rendered text).
+
 With --streams N, each measurement runs N requests of the same prompt kind together (each prompt starts
 with its own "Request i." line), and the figure is their aggregate tokens/s.
 
@@ -30,6 +35,7 @@ import time
 import torch
 
 from bench.llama_cpp_worker import LlamaCppWorker
+from deterministic_inference.model.tokenizer import Tokenizer
 
 PASSAGE = (
     "The lighthouse stood at the edge of the northern cliffs for two hundred years. Every night its keeper "
@@ -44,6 +50,29 @@ CODE = '''def moving_average(values, window):
         result.append(sum(chunk) / window)
     return result
 '''
+TWO_FUNCTIONS = '''def read_scores(path):
+    scores = {}
+    with open(path) as handle:
+        for line in handle:
+            name, value = line.strip().split(",")
+            scores[name] = int(value)
+    return scores
+
+
+def best_player(scores):
+    best_name = None
+    best_value = -1
+    for name, value in scores.items():
+        if value > best_value:
+            best_name = name
+            best_value = value
+    return best_name
+'''
+# sent as a chat user message (rendered with the model's chat template, as /v1/chat/completions does)
+CHAT_PROMPTS = {
+    "copy: code edit (chat)": "Rename the variable `scores` to `points` in this code and return the whole "
+    f"code.\n\n```python\n{TWO_FUNCTIONS}```",
+}
 PROMPTS = {
     "copy: quote-and-summarise": f"{PASSAGE}\n\nQuote the passage above word for word, then summarise it.\n"
     "Quote: The lighthouse stood",
@@ -52,6 +81,14 @@ PROMPTS = {
     "copy: repeat a passage": f"{PASSAGE}\n\nRepeat the passage above exactly.\n\n{PASSAGE[:60]}",
     "free text": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
+KINDS = [*PROMPTS, *CHAT_PROMPTS]
+
+
+def prompt_text(kind: str, tokenizer: Tokenizer) -> str:
+    """The prompt text of a kind: as written, or a chat message rendered by the model's template."""
+    if kind in PROMPTS:
+        return PROMPTS[kind]
+    return tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[kind]}])
 
 
 def bits(values: list[float]) -> bytes:
@@ -105,7 +142,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--prompts", nargs="+", default=list(PROMPTS), choices=list(PROMPTS),
+    parser.add_argument("--prompts", nargs="+", default=KINDS, choices=KINDS,
                         help="which prompts to run (default: all)")
     parser.add_argument("--streams", type=int, default=1,
                         help="requests run together per measurement (aggregate tokens/s); default 1")
@@ -165,7 +202,8 @@ def main() -> None:
             workers = llama_workers(args.llama_python, gguf, threads, args.k)
         try:
             for name in args.prompts:
-                row = measure_row(plain, speculative, PROMPTS[name], args, workers)
+                prompt = prompt_text(name, loaded.tokenizer)
+                row = measure_row(plain, speculative, prompt, args, workers)
                 print(f"{threads:>7} {name:<28} {row}")
         finally:
             for worker in workers or ():
@@ -180,19 +218,21 @@ def measure_row(
     workers: tuple[LlamaCppWorker, LlamaCppWorker] | None,
 ) -> str:
     """One table row: ours plain and ngram (and llama.cpp plain and prompt lookup), alternated
-    `repeats` times so all see the same load; medians."""
+    `repeats` times so all see the same load (ours in the order plain, ngram on even repeats and ngram,
+    plain on odd ones); medians, then every run's tokens/s."""
     from deterministic_inference.engine.engine import Engine
 
     assert isinstance(speculative, Engine)
     before = speculative.stats()["spec_decode"]
     rates: dict[str, list[float]] = {"plain": [], "ngram": [], "llama": [], "lookup": []}
     same, same_text = True, True
-    for _ in range(args.repeats):
-        rate, reference = measure(plain, prompt, args.streams, args.output_len)
-        rates["plain"].append(rate)
-        rate, result = measure(speculative, prompt, args.streams, args.output_len)
-        rates["ngram"].append(rate)
-        same = same and result == reference
+    for repeat in range(args.repeats):
+        engines = {"plain": plain, "ngram": speculative}
+        outputs = {}
+        for name in ("plain", "ngram") if repeat % 2 == 0 else ("ngram", "plain"):  # ABAB... BA
+            rate, outputs[name] = measure(engines[name], prompt, args.streams, args.output_len)
+            rates[name].append(rate)
+        same = same and outputs["ngram"] == outputs["plain"]
         if workers is not None:
             rate, text = llama_rate(workers[0], prompt, args.output_len)
             rates["llama"].append(rate)
@@ -207,7 +247,10 @@ def measure_row(
     if workers is not None:
         row += f" {statistics.median(rates['llama']):>11.1f} {statistics.median(rates['lookup']):>12.1f}"
         row += f" {str(same_text):>9}"
-    return row
+    runs = "  ".join(
+        f"{name} " + "/".join(f"{r:.0f}" for r in values) for name, values in rates.items() if values
+    )
+    return f"{row}   runs: {runs}"
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ A preempted sequence recomputes prompt + outputs as its "prompt"; its chunks are
 its known tokens are computed (`ScheduledChunk.sample`). The plan's chunks are ordered by arrival.
 
 Speculation (`speculative`): a running sequence that decodes (one known token left to compute) may add
-drafted tokens to its chunk (`engine/speculative.py` proposes them, within the budget, its max_tokens and
-max_model_len, only while the running sequences are at most `disable_by_batch_size`, and only when the
-pool holds them without preempting anyone). `update` advances
-num_computed_tokens over the verified tokens only and gives back the blocks past the known tokens, so
-the prefix cache (which registers full blocks of computed tokens) never holds an unverified token.
+drafted tokens to its chunk (`engine/speculative.py` proposes them, as many as its cost-aware draft length
+allows at the step's number of running sequences, within the budget, its max_tokens and max_model_len,
+only while the running sequences are at most `disable_by_batch_size`, and only when the pool holds them
+without preempting anyone). `update` advances num_computed_tokens over the verified tokens only and gives
+back the blocks past the known tokens, so the prefix cache (which registers full blocks of computed
+tokens) never holds an unverified token.
 
 Deterministic: the only inputs are the calls made on it; queues are lists kept sorted by arrival
 number; no wall clock, no set or dict iteration. Every `schedule()` must be followed by `update()` with
@@ -41,6 +42,7 @@ from deterministic_inference.engine.outputs import RequestDelta
 from deterministic_inference.engine.plan import ScheduledChunk, StepPlan
 from deterministic_inference.engine.request import Request, RequestStatus
 from deterministic_inference.engine.speculative import (
+    PROBE_MIN_MATCH,
     DraftLength,
     SpecDecodeStats,
     SpeculativeConfig,
@@ -256,13 +258,17 @@ class Scheduler:
         )
         if room < 1:
             return []
-        limit = min(length.next(), room)
+        batch = len(self._running)
+        limit = min(length.next(batch), room)
+        if limit < 1:
+            return []
         if self.draft_model is not None:
             drafts = self.draft_model.propose(request, limit)
         else:
-            drafts = propose_ngram(
-                request.all_token_ids, limit, config.prompt_lookup_min, config.prompt_lookup_max
-            )
+            lookup_min = config.prompt_lookup_min
+            if length.probing(batch):  # a probe drafts only from a long match (PROBE_MIN_MATCH)
+                lookup_min = max(lookup_min, min(PROBE_MIN_MATCH, config.prompt_lookup_max))
+            drafts = propose_ngram(request.all_token_ids, limit, lookup_min, config.prompt_lookup_max)
         if request.grammar is not None:  # its matcher never consumes an ending token (spec_verify)
             ending = set(request.params.stop_token_ids) | set(self.eos_token_ids)
             cut = next((i for i, token in enumerate(drafts) if token in ending), len(drafts))

@@ -183,24 +183,83 @@ class SpecDecodeStats:
             self.accepted_per_position[position] += 1
 
 
+# A step of R rows takes about (ROWS_PER_WEIGHT_PASS + R) times the cost of one more row: the fixed part
+# (one pass over the weights, the step's Python) counted in rows. Measured on the 2-core test machine
+# with the default model (bench/RESULTS.md, issue 35 third session: ~12.5 ms per step + ~0.7 ms per
+# row at 1 thread, so ~18; 16 is the rounder, slightly more cautious value).
+ROWS_PER_WEIGHT_PASS = 16
+
+
+# The shortest suffix match an ngram probe drafts from (capped by prompt_lookup_max): below break-even a
+# sequence tests whether its text has started to copy, and a 1- or 2-token match says little about that
+# (in free text most tokens recur somewhere), while 3 tokens that recur are a quote in progress.
+PROBE_MIN_MATCH = 3
+
+
+def break_even_rate(batch: int) -> float:
+    """The chance of acceptance a draft token needs to pay for its verification row in a step of
+    `batch` decoding rows: the row adds 1 / (ROWS_PER_WEIGHT_PASS + batch) of the step's time, and the
+    step yields `batch` tokens, so an expected gain of p tokens pays iff p >= batch / (C + batch).
+    0.06 for a single stream (rows are almost free: the pass is bound by memory), 0.67 at 32 rows."""
+    return batch / (ROWS_PER_WEIGHT_PASS + batch)
+
+
+def affordable_length(rate: float, batch: int, limit: int) -> int:
+    """The most draft tokens (<= limit) that each pay for their row: draft j (from 1) is accepted only
+    if drafts 1..j-1 were, so with a per-position acceptance `rate` its chance is rate**j, and j is
+    drafted while rate**j >= break_even_rate(batch). A pure function of its arguments."""
+    threshold = break_even_rate(batch)
+    length, chance = 0, rate
+    while length < limit and chance >= threshold:
+        length += 1
+        chance *= rate
+    return length
+
+
 @dataclass
 class DraftLength:
-    """One sequence's adaptive draft length: grows by one after a fully accepted draft, falls to
-    (accepted + 1) after a partial one, and to 0 after two drafts in a row with nothing accepted; at 0
-    it waits `PAUSE` decode steps (doubling with each pause in a row, up to 8 x PAUSE, until a draft is
-    accepted again), then tries one token again. Only speed depends on it: the tokens are plain
-    decoding's whatever is drafted."""
+    """One sequence's adaptive, cost-aware draft length.
+
+    Acceptance record: decayed counts of draft positions tested and accepted (a draft of d tokens that
+    kept a tests a + 1 positions if a < d, else d), giving the per-position acceptance rate
+    (accepted + 1) / (tested + 2). Each step drafts at most `affordable_length(rate, batch)` tokens, so
+    drafts are made only where they pay for their rows at the step's batch size (at 32 rows a rejected
+    draft costs as much as a token; at 1 row it is almost free).
+
+    Adaptive length, as before: grows by one after a fully accepted draft, falls to (accepted + 1) after
+    a partial one, and to 0 after two drafts in a row with nothing accepted; at 0 it waits `PAUSE` decode
+    steps, then tries one token again. Below break-even (affordable length 0, `probing`) the sequence
+    drafts only such one-token probes (ngram: from a match of PROBE_MIN_MATCH tokens), and two rejected
+    in a row pause it for `PAUSE * scale(batch)` steps instead, scale(batch) = batch (C + 1) / (C +
+    batch): 1 for a single stream, ~11 at 32 rows, so probes cost about the same share of a step's time
+    at any batch size (two, not one: a quote that starts mid-word often misses its first draft and then
+    copies). Pauses double with each pause in a row (up to 8x) until a
+    draft is accepted again. Only speed depends on all this: the tokens are plain decoding's whatever is
+    drafted; the decisions themselves are a pure function of the calls made (no clock)."""
 
     PAUSE = 16
+    DECAY = 0.95  # weight of the older record at each update: the rate follows the recent text
 
     limit: int  # K
     current: int = -1  # -1 = not started (K)
     misses: int = 0  # consecutive drafts with nothing accepted
     paused: int = 0  # decode steps left without drafting
     pauses: int = 0  # pauses since a draft was last accepted
+    tested: float = 0.0  # decayed count of draft positions verified
+    accepted: float = 0.0  # decayed count of those accepted
+    batch: int = 1  # decoding rows of the step last drafted for
 
-    def next(self) -> int:
-        """Tokens to draft this step (0 = none)."""
+    @property
+    def rate(self) -> float:
+        """Estimated chance that a draft position is accepted (uniform prior: 1/2 with no record)."""
+        return (self.accepted + 1.0) / (self.tested + 2.0)
+
+    def probing(self, batch: int) -> bool:
+        """True when no draft token pays for its row at this batch size: a draft now is a probe."""
+        return affordable_length(self.rate, batch, self.limit) == 0
+
+    def next(self, batch: int = 1) -> int:
+        """Tokens to draft this step (0 = none), in a step with `batch` running sequences."""
         if self.current < 0:
             self.current = self.limit
         if self.current == 0:
@@ -208,10 +267,14 @@ class DraftLength:
                 self.paused -= 1
                 return 0
             self.current = 1
-        return self.current
+        self.batch = batch
+        return min(self.current, max(1, affordable_length(self.rate, batch, self.limit)))
 
     def update(self, drafted: int, accepted: int) -> None:
         """Adapt after a verified draft of `drafted` tokens that kept `accepted`."""
+        probe = self.probing(self.batch)
+        self.tested = self.DECAY * self.tested + accepted + (1 if accepted < drafted else 0)
+        self.accepted = self.DECAY * self.accepted + accepted
         if accepted > 0:
             self.misses = self.pauses = 0
             self.current = min(self.limit, drafted + 1) if accepted == drafted else accepted + 1
@@ -219,5 +282,10 @@ class DraftLength:
         self.misses += 1
         self.current = 0 if self.misses >= 2 else 1
         if self.current == 0:
-            self.paused, self.misses = self.PAUSE << min(self.pauses, 3), 0
+            pause = self._probe_pause() if probe else self.PAUSE
+            self.paused, self.misses = pause << min(self.pauses, 3), 0
             self.pauses += 1
+
+    def _probe_pause(self) -> int:
+        scale = self.batch * (ROWS_PER_WEIGHT_PASS + 1) / (ROWS_PER_WEIGHT_PASS + self.batch)
+        return int(self.PAUSE * scale)

@@ -81,7 +81,8 @@ def _verify(
             past.append(known + hypothesis)
             outputs.append(produced + hypothesis)
             row_masks.append(hypothesis_masks[j])
-    result = sample_fn(torch.stack(rows), params, seeds, positions, past, outputs, row_masks)  # [R, V] in
+    logits = sampler.as_batch(rows)  # [R, V]: a view when the rows sit back to back (one chunk's do)
+    result = sample_fn(logits, params, seeds, positions, past, outputs, row_masks)
     cursor = 0
     for chunk in chunks:
         run = _accepted_run(chunk.drafts, result, cursor)

@@ -16,11 +16,14 @@ from deterministic_inference.engine.request import Request
 from deterministic_inference.engine.sampling_params import SamplingParams
 from deterministic_inference.engine.scheduler import Scheduler
 from deterministic_inference.engine.speculative import (
+    PROBE_MIN_MATCH,
     ROWS_PER_WEIGHT_PASS,
     DraftLength,
     SpeculativeConfig,
+    SuffixIndex,
     affordable_length,
     break_even_rate,
+    propose_ngram,
 )
 from deterministic_inference.model.loader import LoadedModel
 from tests.engine.test_speculative import copy_heavy_prompts, run, tiny_loaded  # noqa: F401 - fixture
@@ -156,3 +159,21 @@ def test_probes_draft_only_from_a_long_match() -> None:
     assert first_decode_drafts(two_gram) == [0] * 32
     assert first_decode_drafts(three_gram) == [1] * 32
     assert first_decode_drafts(two_gram[:1]) == [3]
+
+
+def test_suffix_index_says_exactly_when_a_probe_lookup_can_match() -> None:
+    """SuffixIndex.may_match (the scheduler's O(1) check before a probe's scan) is True exactly when
+    propose_ngram with lookup_min = PROBE_MIN_MATCH finds a match, on sequences grown token by token
+    (small vocabularies, so grams recur) and on a sequence that shrinks; both answers occur."""
+    rng = random.Random(7)
+    answers = set()
+    for vocab in (2, 3, 5, 50):
+        index, tokens = SuffixIndex(), [rng.randrange(vocab) for _ in range(2)]
+        for _ in range(120):
+            tokens.append(rng.randrange(vocab))
+            expected = bool(propose_ngram(tokens, 3, PROBE_MIN_MATCH, 4))
+            assert index.may_match(tokens) == expected, (vocab, tokens)
+            answers.add(expected)
+        shorter = tokens[: len(tokens) // 2]
+        assert index.may_match(shorter) == bool(propose_ngram(shorter, 3, PROBE_MIN_MATCH, 4))
+    assert answers == {True, False}

@@ -27,30 +27,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "SmolLM2-135M)",
     )
     add_model_file_option(group)
-    group.add_argument("--dtype", default="auto", choices=DTYPES, help="weights/activations dtype")
-    group.add_argument(
-        "--quantization",
-        default="auto",
-        choices=QUANTIZATIONS,
-        help="auto: GGUF weights as stored, HF in --dtype; none: dequantise all to --dtype; q8_0: quantize "
-        "float weights to Q8_0 at load",
-    )
-    group.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
-        help="KV cache format: auto (the model dtype), bf16, or q8_0 (32 int8 values and an fp32 scale per "
-        "32, 0.56x bf16's bytes; exact and batch invariant, recorded in the fingerprint)",
-    )
-    group.add_argument(
-        "--numerics",
-        default="portable",
-        metavar="{" + ",".join(NUMERICS_MODES) + "}",
-        help="portable: bits fixed by our source, the same on every x86-64 CPU; native: the bf16 GEMM on "
-        "this CPU's AMX-BF16 tiles (faster; still batch, chunk and thread invariant, but the bits hold on "
-        "this CPU class only: the fingerprint records the ISA). Refused where the CPU has no AMX-BF16",
-    )
-    group.add_argument("--no-batch-invariant", action="store_true", help="plain torch ops (not reproducible)")
+    add_numerics_options(group)
     group.add_argument("--no-prefix-cache", action="store_true", help="disable automatic prefix caching")
     group.add_argument(
         "--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
@@ -81,6 +58,35 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         '"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}\'; '
         "the tokens and logprobs stay those of plain decoding (default: off)",
     )
+
+
+def add_numerics_options(group: argparse._ArgumentGroup) -> None:
+    """The engine options that decide the arithmetic (the fingerprint's numerics): weight and activation
+    dtype, quantization, KV cache format, portable or native numerics, and the invariance switch."""
+    group.add_argument("--dtype", default="auto", choices=DTYPES, help="weights/activations dtype")
+    group.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="auto: GGUF weights as stored, HF in --dtype; none: dequantise all to --dtype; q8_0: quantize "
+        "float weights to Q8_0 at load",
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+        help="KV cache format: auto (the model dtype), bf16, or q8_0 (32 int8 values and an fp32 scale per "
+        "32, 0.56x bf16's bytes; exact and batch invariant, recorded in the fingerprint)",
+    )
+    group.add_argument(
+        "--numerics",
+        default="portable",
+        metavar="{" + ",".join(NUMERICS_MODES) + "}",
+        help="portable: bits fixed by our source, the same on every x86-64 CPU; native: the bf16 GEMM on "
+        "this CPU's AMX-BF16 tiles (faster; still batch, chunk and thread invariant, but the bits hold on "
+        "this CPU class only: the fingerprint records the ISA). Refused where the CPU has no AMX-BF16",
+    )
+    group.add_argument("--no-batch-invariant", action="store_true", help="plain torch ops (not reproducible)")
 
 
 def add_model_file_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

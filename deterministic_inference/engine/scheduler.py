@@ -271,8 +271,9 @@ class Scheduler:
             lookup_min = config.prompt_lookup_min
             if length.probing(batch):  # a probe drafts only from a long match (PROBE_MIN_MATCH)
                 lookup_min = max(lookup_min, min(PROBE_MIN_MATCH, config.prompt_lookup_max))
-                index = self._suffix_indexes.setdefault(request.request_id, SuffixIndex())
-                if lookup_min >= PROBE_MIN_MATCH and not index.may_match(request.all_token_ids):
+                if lookup_min >= PROBE_MIN_MATCH and not self._suffix_indexes.setdefault(
+                    request.request_id, SuffixIndex()
+                ).may_match(request.all_token_ids):
                     return []  # exactly what propose_ngram would return, without its scan
             drafts = propose_ngram(request.all_token_ids, limit, lookup_min, config.prompt_lookup_max)
         if request.grammar is not None:  # its matcher never consumes an ending token (spec_verify)

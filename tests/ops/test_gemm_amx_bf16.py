@@ -1,9 +1,11 @@
 """The AMX-BF16 GEMM of `--numerics native` (ops/csrc/gemm_amx.h): on this CPU a row's bits do not depend on
 the batch's row count, the row's position in it or the thread count; the bias is added once in fp32 and
 the bf16 output is the fp32 sum rounded once; the sums are close to the exact ones (it computes the GEMM).
-Negative controls: a build sending a call's partial last row tile to the other path, and one splitting K
-by thread count, are caught by the same checks. Skipped (with the reason) where the CPU or OS has no AMX;
-the refusal of a build without AMX-BF16 is tested everywhere."""
+Large calls (x over 1 MiB: 65+ rows at K = 8192) take the chunked path (gemm_amx_chunked.h, accumulators
+spilled between K chunks) and must give a row the bits it has alone on the small calls' path. Negative
+controls: a build sending a call's partial last row tile to the other path, one splitting K by thread
+count, and one adding the chunks' sums in fp32, are caught by the same checks. Skipped (with the reason)
+where the CPU or OS has no AMX; the refusal of a build without AMX-BF16 is tested everywhere."""
 
 from __future__ import annotations
 
@@ -23,9 +25,14 @@ ROW_COUNTS = (1, 2, 3, 5, 16, 17, 31, 32, 64, 129)
 # (N, K): SmolLM2's qkv-like square, gate_up, down; a 1B qkv; ragged N and K (not multiples of 16 / 32)
 MODEL_SHAPES = ((HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER), (3072, 2048))
 RAGGED_SHAPES = ((200, 65), (130, 2), (48, 33))
+# K large enough that a batch of 65+ rows takes the chunked path, a row alone the small one: an odd count
+# of blocks (the panel's last pair half empty) and a ragged K (a zero padded last step, chunks of 8 steps)
+CHUNKED_SHAPES = ((48, 8192), (40, 4100))
+CHUNKED_ROW_COUNTS = (1, 64, 65, 129, 200)
 NEGATIVE_DEFINES = {
     "ragged-other": ("-DDETINF_TEST_AMX_RAGGED_OTHER",),
     "split-k": ("-DDETINF_TEST_AMX_SPLIT_K",),
+    "chunk-sums": ("-DDETINF_TEST_AMX_CHUNK_SUMS",),
 }
 
 
@@ -75,6 +82,16 @@ def test_a_row_alone_equals_the_row_in_any_batch(
     assert row_mismatches(fn, _probe_rows(shape[1], 2), threads, ROW_COUNTS) == []
 
 
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("shape", CHUNKED_SHAPES, ids=str)
+def test_the_chunked_path_gives_a_row_its_bits_alone(
+    amx: NativeKernels, shape: tuple[int, int], threads: int
+) -> None:
+    weight, bias = _weights(shape, 16)
+    fn = _native_fn(amx, weight, bias, torch.float32)
+    assert row_mismatches(fn, _probe_rows(shape[1], 17), threads, CHUNKED_ROW_COUNTS) == []
+
+
 @pytest.mark.parametrize("shape", MODEL_SHAPES[1:3], ids=["gate_up", "down"])
 def test_bf16_output_rows_are_invariant_too(amx: NativeKernels, shape: tuple[int, int]) -> None:
     weight, bias = _weights(shape, 3)
@@ -82,7 +99,7 @@ def test_bf16_output_rows_are_invariant_too(amx: NativeKernels, shape: tuple[int
     assert row_mismatches(fn, _probe_rows(shape[1], 4), 2, ROW_COUNTS) == []
 
 
-@pytest.mark.parametrize("shape", MODEL_SHAPES + RAGGED_SHAPES, ids=str)
+@pytest.mark.parametrize("shape", MODEL_SHAPES + RAGGED_SHAPES + CHUNKED_SHAPES, ids=str)
 def test_one_and_two_threads_give_the_same_bits(amx: NativeKernels, shape: tuple[int, int]) -> None:
     weight, bias = _weights(shape, 5)
     fn = _native_fn(amx, weight, bias, torch.float32)
@@ -140,6 +157,17 @@ def test_negative_control_k_split_by_thread_count_is_caught(
     with num_threads(2):
         two = bits(fn(x))
     assert not torch.equal(one, two)
+
+
+def test_negative_control_chunk_sums_added_in_fp32_are_caught(
+    negative_builds: dict[str, NativeKernels],
+) -> None:
+    """Chunks that each start from zero (K split by chunk) give a row in a large batch other bits than the
+    row alone: the chunked-path test can fail."""
+    weight, bias = _weights(CHUNKED_SHAPES[0], 18)
+    fn = _native_fn(negative_builds["chunk-sums"], weight, bias, torch.float32)
+    found = row_mismatches(fn, _probe_rows(CHUNKED_SHAPES[0][1], 19), 1, CHUNKED_ROW_COUNTS)
+    assert found and all(int(text.split()[0][2:]) > 64 for text in found), found
 
 
 def test_a_build_without_amx_bf16_refuses_native_numerics() -> None:

@@ -2,7 +2,8 @@
 
    out[m, n] = x[m, :] . w[n, :] (+ bias[n]): bf16 in, fp32 sums, fp32 or bf16 out, on the weight gemm.c
    packs once at load. That layout, [n / 16][k / 2][16][2], is already the AMX B operand: 16 pairs of one
-   16-column block are one B tile of 16 rows x 64 bytes (stride 64). A tile is 16 rows of x x 32 values.
+   16-column block are one B tile of 16 rows x 64 bytes (stride 64). x is copied per call into the same
+   shape, tile-major ([row tile][K step][16 rows][32 values]), so every A tile is 1 KiB in one piece too.
 
    These bits are NOT gemm.c's documented sum: TDPBF16PS's internal order and rounding belong to the CPU
    (issue 17 could not reproduce them in portable C), so they are fixed per CPU class only, and the engine
@@ -14,19 +15,25 @@
      row alone (m = 1..3, decode) runs the very TDPBF16PS sequence it runs inside a batch of 129, never
      VDPBF16PS or another width. TDPBF16PS computes each output row from its own A row (the tests check
      it on the CPU: a row alone == the same row at the first, middle and last position of batches);
-   - each 16 x 16 output block has one accumulator tile, zeroed, then one TDPBF16PS per 32-value K step in
+   - each 16 x 16 output block has one accumulator: zeroed, then one TDPBF16PS per 32-value K step in
      ascending order (k zero padded to a multiple of 32; a padded pair adds +0 products), then stored once:
-     K is never split, by threads or otherwise. Threads share out 64-column panels (N) only, so 1 and 2
-     threads give the same bits;
+     K is never split into sums added later. Threads share out column panels (N) only, so 1 and 2 threads
+     give the same bits;
+   - large calls (x over AMX_CHUNKED_MIN_BYTES) walk K in chunks of AMX_CHUNK_STEPS steps so that a row
+     pair's x stays in L1 while a wide panel's weights stream from L2. Between chunks an accumulator tile
+     is stored to memory as fp32 and loaded back: a tile store and load move its 32-bit words unchanged,
+     so the accumulator still sees the same TDPBF16PS sequence as in one pass, and a row gives the same
+     bits on either path (tested across the switch);
    - the fp32 sums then take gemm.c's store_tile: the bias added once in fp32, one rounding to bf16.
-   Grouping (2 row tiles x 2 blocks, or 1 row tile x 4 blocks, per pass) changes which tiles sit side by
-   side, never an accumulator's instruction sequence.
+   Grouping (2 row tiles x 2 blocks, or 1 row tile x 4 blocks, per pass), panel widths, chunking and
+   prefetches change which tiles sit side by side and when, never an accumulator's instruction sequence.
 
    Included by gemm.c after store_tile. DETINF_GEMM_AMX says whether this build has the path (AMX-TILE and
    AMX-BF16 in the -march); at run time the kernel must also grant the tile state (amx_usable, once per
    process). Test-only negative controls (never set by the package): DETINF_TEST_AMX_RAGGED_OTHER sends the
    rows of a call's last, partial row tile to gemm.c's other path; DETINF_TEST_AMX_SPLIT_K splits K into
-   one part per thread, each part its own tile, summed in fp32. */
+   one part per thread, each part its own tile, summed in fp32 (small calls); DETINF_TEST_AMX_CHUNK_SUMS
+   starts every chunk of a large call from zero and adds its sums to the spilled ones in fp32. */
 
 #ifndef DETINF_GEMM_AMX_H
 #define DETINF_GEMM_AMX_H
@@ -39,6 +46,11 @@
 #define AMX_K_STEP 32     /* bf16 values of K per TDPBF16PS */
 #define AMX_STEP_PAIRS 16 /* pairs of K per TDPBF16PS (B tile rows) */
 #define AMX_TILE_BYTES 1024
+#define AMX_A_TILE_ELEMS (AMX_TILE_ROWS * AMX_K_STEP) /* bf16 values of one A tile */
+#define AMX_PREFETCH_STEPS 4                           /* small calls: B tiles fetched this many steps ahead */
+#define AMX_CHUNKED_MIN_BYTES (1 << 20) /* x (padded) above this: the chunked path */
+#define AMX_CHUNK_STEPS 8               /* K steps per chunk: a row pair's x of a chunk is 16 KiB (L1) */
+#define AMX_WIDE_BLOCKS 16              /* 16-column blocks per panel of the chunked path, at most */
 
 /* Tiles 0..3: fp32 accumulators [16 rows][16 columns]; 4, 5: x [16 rows][32 bf16]; 6, 7: w [16 pairs][16
    columns][2]. Every tile is 16 rows x 64 bytes. A constant in memory (see quant_amx.c). */
@@ -48,9 +60,8 @@ static const amx_tile_config gemm_amx_tiles = {
     .rows = {16, 16, 16, 16, 16, 16, 16, 16},
 };
 
-/* The operands of one call, after padding: xa [row_tiles * 16][AMX_A_WIDTH(steps)] bf16 (zero padded
-   rows and K), the packed weight and, when k is not a multiple of 32, each block's last K step copied
-   zero padded. */
+/* The operands of one call, after padding: xa [row_tiles][steps][16][32] bf16 (zero padded rows and K),
+   the packed weight and, when k is not a multiple of 32, each block's last K step copied zero padded. */
 typedef struct {
     const uint16_t *xa;
     int64_t steps, full_steps, pairs, block_stride; /* K steps in all, those read in place, pairs per block */
@@ -58,26 +69,32 @@ typedef struct {
     const uint16_t *tails; /* [blocks][16 pairs][32] or NULL when full_steps == steps */
 } amx_operands;
 
+/* The A tile of row tile t, K step s: 1 KiB in one piece. */
+INLINE const uint16_t *amx_a(const amx_operands *op, int64_t t, int64_t s) {
+    return op->xa + (t * op->steps + s) * AMX_A_TILE_ELEMS;
+}
+
 /* The B tile of block b, K step s: in place in the packed weight, or the zero padded copy of its tail. */
 INLINE const uint16_t *amx_b(const amx_operands *op, int64_t b, int64_t s) {
     if (s < op->full_steps) return op->packed + b * op->block_stride + s * AMX_STEP_PAIRS * 32;
     return op->tails + b * AMX_TILE_BYTES / 2;
 }
 
-/* Elements per row of xa: K padded to whole steps, plus one unread 64-byte line, so that the 16 rows of
-   an A tile do not all fall into one L1 set when K * 2 bytes is a multiple of 4 KiB (K = 2048, 8192). */
-#define AMX_A_WIDTH(steps) ((steps) * AMX_K_STEP + AMX_K_STEP)
-#define AMX_A_STRIDE(op) (AMX_A_WIDTH((op)->steps) * 2) /* bytes per row of xa */
+/* Block b's B tile AMX_PREFETCH_STEPS steps after s into L1 (small calls stream the weight from memory). */
+INLINE void amx_prefetch_b(const amx_operands *op, int64_t b, int64_t s) {
+    if (s + AMX_PREFETCH_STEPS >= op->full_steps) return;
+    const char *tile = (const char *)amx_b(op, b, s + AMX_PREFETCH_STEPS);
+    for (int line = 0; line < AMX_TILE_BYTES; line += 64) _mm_prefetch(tile + line, _MM_HINT_T0);
+}
 
 /* 16 rows (row tile t) x up to 4 blocks from block b0: C tiles 0..nb-1; A tile 4; B tiles 6, 7. */
 static void amx_rows16(const amx_operands *op, int64_t t, int64_t b0, int nb, float *tile) {
-    const uint16_t *a = op->xa + t * AMX_TILE_ROWS * AMX_A_WIDTH(op->steps);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t s = 0; s < op->steps; s++) {
-        _tile_loadd(4, a + s * AMX_K_STEP, AMX_A_STRIDE(op));
+        _tile_loadd(4, amx_a(op, t, s), 64);
         _tile_loadd(6, amx_b(op, b0, s), 64);
         _tile_dpbf16ps(0, 4, 6);
         if (nb > 1) {
@@ -102,15 +119,15 @@ static void amx_rows16(const amx_operands *op, int64_t t, int64_t b0, int nb, fl
 
 /* 32 rows (row tiles t, t + 1) x up to 2 blocks from b0: C tiles 2i + j; A tiles 4, 5; B tiles 6, 7. */
 static void amx_rows32(const amx_operands *op, int64_t t, int64_t b0, int nb, float *tile) {
-    const uint16_t *a0 = op->xa + t * AMX_TILE_ROWS * AMX_A_WIDTH(op->steps);
-    const uint16_t *a1 = a0 + AMX_TILE_ROWS * AMX_A_WIDTH(op->steps);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t s = 0; s < op->steps; s++) {
-        _tile_loadd(4, a0 + s * AMX_K_STEP, AMX_A_STRIDE(op));
-        _tile_loadd(5, a1 + s * AMX_K_STEP, AMX_A_STRIDE(op));
+        amx_prefetch_b(op, b0, s);
+        if (nb > 1) amx_prefetch_b(op, b0 + 1, s);
+        _tile_loadd(4, amx_a(op, t, s), 64);
+        _tile_loadd(5, amx_a(op, t + 1, s), 64);
         _tile_loadd(6, amx_b(op, b0, s), 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(2, 5, 6);
@@ -134,13 +151,12 @@ static void amx_rows32(const amx_operands *op, int64_t t, int64_t b0, int nb, fl
    accumulator tile, the ranges' sums added in fp32 in range order. 16 rows x 1 block. */
 static void amx_split_k(const amx_operands *op, int64_t t, int64_t b, int parts, float *tile) {
     float part_sums[AMX_TILE_ROWS * LANES];
-    const uint16_t *a = op->xa + t * AMX_TILE_ROWS * AMX_A_WIDTH(op->steps);
     for (int r = 0; r < AMX_TILE_ROWS; r++)
         for (int c = 0; c < LANES; c++) tile[r * PANEL_COLS + c] = 0.0f;
     for (int part = 0; part < parts; part++) {
         _tile_zero(0);
         for (int64_t s = op->steps * part / parts; s < op->steps * (part + 1) / parts; s++) {
-            _tile_loadd(4, a + s * AMX_K_STEP, AMX_A_STRIDE(op));
+            _tile_loadd(4, amx_a(op, t, s), 64);
             _tile_loadd(6, amx_b(op, b, s), 64);
             _tile_dpbf16ps(0, 4, 6);
         }
@@ -181,13 +197,20 @@ static void amx_panel(const amx_operands *op, int64_t m, int64_t row_tiles, int6
     }
 }
 
-/* x [m, k] -> xa [row_tiles * 16][AMX_A_WIDTH(steps)], zero padded (rows and K). Denormals are left as
-   they are: TDPBF16PS reads them as zero. */
+#include "gemm_amx_chunked.h" /* the path of large calls (K in chunks, accumulators spilled exactly) */
+
+/* x [m, k] -> xa [row_tiles][steps][16][32], zero padded (rows and K). Denormals are left as they are:
+   TDPBF16PS reads them as zero. */
 static void amx_pad_rows(const uint16_t *x, int64_t m, int64_t k, int64_t row_tiles, int64_t steps,
                          uint16_t *xa) {
-    const int64_t width = AMX_A_WIDTH(steps);
-    memset(xa, 0, (size_t)(row_tiles * AMX_TILE_ROWS * width) * sizeof(uint16_t));
-    for (int64_t r = 0; r < m; r++) memcpy(xa + r * width, x + r * k, (size_t)k * sizeof(uint16_t));
+    memset(xa, 0, (size_t)(row_tiles * steps * AMX_A_TILE_ELEMS) * sizeof(uint16_t));
+    for (int64_t r = 0; r < m; r++) {
+        uint16_t *row = xa + (r / AMX_TILE_ROWS * steps * AMX_TILE_ROWS + r % AMX_TILE_ROWS) * AMX_K_STEP;
+        for (int64_t s = 0; s < steps; s++) {
+            const int64_t first = s * AMX_K_STEP, count = k - first < AMX_K_STEP ? k - first : AMX_K_STEP;
+            memcpy(row + s * AMX_A_TILE_ELEMS, x + r * k + first, (size_t)count * sizeof(uint16_t));
+        }
+    }
 }
 
 /* Each block's last K step, when k is not a multiple of 32: its pairs copied into a zeroed 16-pair tile. */
@@ -199,6 +222,14 @@ static void amx_copy_tails(const amx_operands *op, int64_t blocks, uint16_t *tai
                (size_t)(count * 64));
 }
 
+/* The panels of a call, shared out between the threads (columns only): 64 columns for small calls, up to
+   AMX_WIDE_BLOCKS blocks for the chunked path, narrower when the threads would otherwise go idle. */
+static int amx_panel_blocks(int chunked, int64_t blocks, int threads) {
+    if (!chunked) return BLOCKS_PER_PANEL;
+    const int64_t even = (blocks + threads - 1) / threads;
+    return even < AMX_WIDE_BLOCKS ? (int)(even < 2 ? 2 : even) : AMX_WIDE_BLOCKS;
+}
+
 /* detinf_gemm_bf16's arguments on the AMX tiles. Returns 0, or -1 without touching out when a buffer
    cannot be allocated. The calling thread's tile permission is the caller's (detinf_gemm_bf16_amx). */
 static int gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
@@ -206,8 +237,12 @@ static int gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t
     const int64_t pairs = (k + 1) / 2, blocks = (n + LANES - 1) / LANES;
     const int64_t steps = (pairs + AMX_STEP_PAIRS - 1) / AMX_STEP_PAIRS;
     const int64_t row_tiles = (m + AMX_TILE_ROWS - 1) / AMX_TILE_ROWS;
+    const size_t xa_bytes = (size_t)(row_tiles * steps * AMX_A_TILE_ELEMS) * sizeof(uint16_t);
+    const int chunked = row_tiles >= 2 && xa_bytes > AMX_CHUNKED_MIN_BYTES;
+    const int parallel = m * n * k >= (int64_t)1 << 20, threads = parallel ? omp_get_max_threads() : 1;
+    const int panel_blocks = amx_panel_blocks(chunked, blocks, threads);
     amx_operands op = {NULL, steps, pairs / AMX_STEP_PAIRS, pairs, pairs * 32, packed, NULL};
-    uint16_t *xa = malloc((size_t)(row_tiles * AMX_TILE_ROWS * AMX_A_WIDTH(steps)) * sizeof(uint16_t));
+    uint16_t *xa = aligned_alloc(64, xa_bytes);
     uint16_t *tails = op.full_steps < steps ? malloc((size_t)(blocks * AMX_TILE_BYTES)) : NULL;
     if (!xa || (op.full_steps < steps && !tails)) {
         free(xa);
@@ -218,19 +253,29 @@ static int gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t
     if (tails) amx_copy_tails(&op, blocks, tails);
     op.xa = xa;
     op.tails = tails;
-    const int64_t panels = (blocks + BLOCKS_PER_PANEL - 1) / BLOCKS_PER_PANEL;
+    const int64_t panels = (blocks + panel_blocks - 1) / panel_blocks;
+    const size_t acc_floats = chunked ? amx_chunk_sums_floats(row_tiles, panel_blocks) : 0;
+    float *acc = chunked ? aligned_alloc(64, (size_t)threads * acc_floats * sizeof(float)) : NULL;
+    if (chunked && !acc) {
+        free(xa);
+        free(tails);
+        return -1;
+    }
     const int split_parts = omp_get_max_threads(); /* the negative control's parts only */
-#pragma omp parallel if (m * n * k >= (int64_t)1 << 20)
+#pragma omp parallel if (parallel) num_threads(threads)
     {
         _tile_loadconfig(&gemm_amx_tiles); /* the tile configuration is per thread */
+        float *thread_acc = chunked ? acc + (size_t)omp_get_thread_num() * acc_floats : NULL;
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < panels; j++) {
-            const int64_t b0 = j * BLOCKS_PER_PANEL;
-            const int B = (int)(blocks - b0 < BLOCKS_PER_PANEL ? blocks - b0 : BLOCKS_PER_PANEL);
-            amx_panel(&op, m, row_tiles, b0, B, n, bias, out, out_bf16, split_parts);
+            const int64_t b0 = j * panel_blocks;
+            const int B = (int)(blocks - b0 < panel_blocks ? blocks - b0 : panel_blocks);
+            if (chunked) amx_chunked_panel(&op, m, row_tiles, b0, B, n, bias, out, out_bf16, thread_acc);
+            else amx_panel(&op, m, row_tiles, b0, B, n, bias, out, out_bf16, split_parts);
         }
         _tile_release();
     }
+    free(acc);
     free(xa);
     free(tails);
     return 0;

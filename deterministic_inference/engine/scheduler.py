@@ -44,10 +44,9 @@ from deterministic_inference.engine.request import Request, RequestStatus
 from deterministic_inference.engine.speculative import (
     PROBE_MIN_MATCH,
     DraftLength,
+    NgramIndex,
     SpecDecodeStats,
     SpeculativeConfig,
-    SuffixIndex,
-    propose_ngram,
 )
 from deterministic_inference.engine.update import StepUpdate
 from deterministic_inference.errors import ConfigError, InvalidRequestError
@@ -89,7 +88,7 @@ class Scheduler:
         self.speculative = speculative  # None = no drafting
         self.spec_stats = SpecDecodeStats()
         self._draft_lengths: dict[str, DraftLength] = {}  # sequence id -> adaptive draft length
-        self._suffix_indexes: dict[str, SuffixIndex] = {}  # sequence id -> its probe n-grams
+        self._ngram_indexes: dict[str, NgramIndex] = {}  # sequence id -> its n-grams (ngram drafts)
         self.draft_model: DraftModelProposer | None = None  # method draft_model (set by the engine)
 
     @property
@@ -149,7 +148,7 @@ class Scheduler:
         queue.remove(request)
         self.kv.free(request)
         self._draft_lengths.pop(request_id, None)
-        self._suffix_indexes.pop(request_id, None)
+        self._ngram_indexes.pop(request_id, None)
         if self.draft_model is not None:
             self.draft_model.forget(request_id)
         request.status = status
@@ -271,11 +270,11 @@ class Scheduler:
             lookup_min = config.prompt_lookup_min
             if length.probing(batch):  # a probe drafts only from a long match (PROBE_MIN_MATCH)
                 lookup_min = max(lookup_min, min(PROBE_MIN_MATCH, config.prompt_lookup_max))
-                if lookup_min >= PROBE_MIN_MATCH and not self._suffix_indexes.setdefault(
-                    request.request_id, SuffixIndex()
-                ).may_match(request.all_token_ids):
-                    return []  # exactly what propose_ngram would return, without its scan
-            drafts = propose_ngram(request.all_token_ids, limit, lookup_min, config.prompt_lookup_max)
+            index = self._ngram_indexes.get(request.request_id)
+            if index is None:
+                index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+                self._ngram_indexes[request.request_id] = index
+            drafts = index.propose(request.all_token_ids, limit, lookup_min)
         if request.grammar is not None:  # its matcher never consumes an ending token (spec_verify)
             ending = set(request.params.stop_token_ids) | set(self.eos_token_ids)
             cut = next((i for i, token in enumerate(drafts) if token in ending), len(drafts))

@@ -19,8 +19,8 @@ from deterministic_inference.engine.speculative import (
     PROBE_MIN_MATCH,
     ROWS_PER_WEIGHT_PASS,
     DraftLength,
+    NgramIndex,
     SpeculativeConfig,
-    SuffixIndex,
     affordable_length,
     break_even_rate,
     propose_ngram,
@@ -161,19 +161,46 @@ def test_probes_draft_only_from_a_long_match() -> None:
     assert first_decode_drafts(two_gram[:1]) == [3]
 
 
-def test_suffix_index_says_exactly_when_a_probe_lookup_can_match() -> None:
-    """SuffixIndex.may_match (the scheduler's O(1) check before a probe's scan) is True exactly when
-    propose_ngram with lookup_min = PROBE_MIN_MATCH finds a match, on sequences grown token by token
-    (small vocabularies, so grams recur) and on a sequence that shrinks; both answers occur."""
+class _FirstStartIndex(NgramIndex):
+    """Negative control: keeps each gram's FIRST start (propose_ngram takes the most recent)."""
+
+    @staticmethod
+    def _record(latest: dict[int, int], keys: list[int], first: int) -> None:
+        for offset, key in enumerate(keys):
+            latest.setdefault(key, first + offset)
+
+
+def _index_disagreements(index_type: type[NgramIndex]) -> tuple[int, set[bool]]:
+    """Sequences from a 1-token or a 100-token prompt (indexed with numpy at once) grown token by token
+    (small vocabularies, so grams recur), then shrunk, for several lookup ranges and the probe's raised
+    minimum: (calls where index_type's propose differs from propose_ngram, whether empty and non-empty
+    answers both occurred)."""
     rng = random.Random(7)
-    answers = set()
+    differ, answers = 0, set()
     for vocab in (2, 3, 5, 50):
-        index, tokens = SuffixIndex(), [rng.randrange(vocab) for _ in range(2)]
-        for _ in range(120):
-            tokens.append(rng.randrange(vocab))
-            expected = bool(propose_ngram(tokens, 3, PROBE_MIN_MATCH, 4))
-            assert index.may_match(tokens) == expected, (vocab, tokens)
-            answers.add(expected)
-        shorter = tokens[: len(tokens) // 2]
-        assert index.may_match(shorter) == bool(propose_ngram(shorter, 3, PROBE_MIN_MATCH, 4))
-    assert answers == {True, False}
+        for lookup_min, lookup_max in ((1, 1), (1, 3), (2, 4), (3, 5)):
+            for prompt in (1, 100):
+                index, tokens = (
+                    index_type(lookup_min, lookup_max),
+                    [rng.randrange(vocab) for _ in range(prompt)],
+                )
+                for step in range(100):
+                    tokens.append(rng.randrange(vocab))
+                    if step == 70:
+                        tokens = tokens[:30]  # shorter: indexed anew
+                    for minimum in {lookup_min, max(lookup_min, min(PROBE_MIN_MATCH, lookup_max))}:
+                        expected = propose_ngram(tokens, 3, minimum, lookup_max)
+                        differ += index.propose(tokens, 3, minimum) != expected
+                        answers.add(bool(expected))
+    return differ, answers
+
+
+def test_ngram_index_proposes_exactly_what_the_scan_proposes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NgramIndex (the scheduler's incremental lookup) gives propose_ngram's drafts on every call, also
+    when many grams share a key (multiplier 0: a gram's key is its first token, so the scan fallback
+    runs); the control keeping each gram's first start instead of its latest is caught, so the check
+    can fail."""
+    assert _index_disagreements(NgramIndex) == (0, {True, False})
+    assert _index_disagreements(_FirstStartIndex)[0] > 0
+    monkeypatch.setattr(speculative, "_GRAM_MULTIPLIER", 0)
+    assert _index_disagreements(NgramIndex) == (0, {True, False})

@@ -86,7 +86,12 @@ def bench_engine(
     if profile_prompts is not None:
         from bench.profile_engine import print_profile, profile_generate
 
-        print_profile(f"{len(prompts)} streams", profile_generate(engine, profile_prompts, params))
+        kinds = profile_generate(engine, profile_prompts, params, fused=True)
+        if engine.model.fused is not None:
+            print_profile(f"{len(prompts)} streams", kinds, "fused path, phases timed in C")
+            engine.flush_prefix_cache()  # the per-op run computes the same prompts again
+            kinds = profile_generate(engine, profile_prompts, params)
+        print_profile(f"{len(prompts)} streams", kinds)
     kv_label = "" if kv_cache_dtype == "auto" else f"-kv-{kv_cache_dtype}"
     mode = "native" if numerics_mode == "native" else "inv" if invariant else "plain"
     return {

@@ -34,6 +34,11 @@ from deterministic_inference.ops.rope import RotaryTable
 KVCache = tuple[torch.Tensor, torch.Tensor]
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 LINEAR_QUANT, LINEAR_BF16, LINEAR_BF16_AMX = 1, 2, 3  # csrc/decoder.c (AMX: --numerics native)
+# csrc/decoder.c's PHASE_* in order: what `FusedDecoder.phase_seconds` accumulates (bench/profile_engine.py)
+PHASES = (
+    "norms", "qkv", "rotary + KV write", "attention", "attention -> bf16", "o_proj", "gate_up", "silu_mul",
+    "down",
+)  # fmt: skip
 _ERRORS = {
     1: (ValueError, "rotary_write_kv: a position, cache block or slot offset is out of range"),
     2: (ValueError, "attention kernel: a row sees no key or its block table is out of range"),
@@ -77,6 +82,7 @@ class _Step(ctypes.Structure):
         *((name, _P) for name in ("write_blocks", "write_offsets", "block_ids", "row_table", "row_keys")),
         ("num_ids", _I64), ("num_blocks", _I64), ("block_size", _I64),
         *((name, _P) for name in ("normed", "qkv", "q32", "att32", "att", "delta", "gate_up", "act")),
+        ("phase_seconds", _P),
     ]  # fmt: skip
 
 
@@ -172,6 +178,9 @@ class FusedDecoder:
         spec, dtype = layers[0].spec, layers[0].ops.numerics.dtype
         self.spec, self.dtype = spec, dtype
         self._bound: tuple[torch.Tensor, ...] = ()  # the cache tensors the structs point to (checked)
+        # profiling only (bench/profile_engine.py): fp64 [len(PHASES)] seconds each phase took, summed
+        # over the calls while set; None (the default) times nothing
+        self.phase_seconds: torch.Tensor | None = None
         heads, kv_heads, dim, item = spec.num_heads, spec.num_kv_heads, spec.head_dim, dtype.itemsize
         # bytes per token of each scratch buffer: normed, qkv, att, delta, gate_up, act (model dtype),
         # then q32 and att32 (fp32)
@@ -301,9 +310,19 @@ class FusedDecoder:
             dim**-0.5, int(dtype == torch.bfloat16), flags, cache_code(keys), index[0].data_ptr(),
             rotary.cos.data_ptr(), rotary.sin.data_ptr(), rotary.cos.shape[0],
             *(t.data_ptr() for t in index[1:]), meta.block_ids.shape[0], keys.shape[0], keys.shape[3], normed,
-            qkv, q32, att32, att, delta, gate_up, act,
+            qkv, q32, att32, att, delta, gate_up, act, self._phase_pointer(),
         )  # fmt: skip
         return step, [*index, scratch]
+
+
+    def _phase_pointer(self) -> int | None:
+        """The address of `phase_seconds` for the C code, None when not profiling."""
+        seconds = self.phase_seconds
+        if seconds is None:
+            return None
+        if seconds.dtype != torch.float64 or seconds.shape != (len(PHASES),) or not seconds.is_contiguous():
+            raise ValueError(f"fused decoder: phase_seconds must be contiguous float64 [{len(PHASES)}]")
+        return seconds.data_ptr()
 
 
 @functools.cache

@@ -21,6 +21,7 @@ from deterministic_inference.engine.setup import build_model
 from deterministic_inference.model.decoder import DecoderModel
 from deterministic_inference.model.loader import load_model
 from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache
+from deterministic_inference.ops.fused import PHASES
 from deterministic_inference.ops.quant import TEST_BATCH_SCALE
 from tests.tiny_models import TinyModel
 
@@ -178,3 +179,22 @@ def test_fused_equals_per_op_on_a_q8_kv_cache_of_the_default_model(dtype: str) -
     assert same(run_steps(model, fused=True, cache_dtype=torch.int8), per_op)
     model_dtype_cache = run_steps(model, fused=False)
     assert not all(torch.equal(x, y) for x, y in zip(per_op[0], model_dtype_cache[0], strict=True))
+
+
+def test_timing_the_phases_changes_no_bit(tiny_q4_k_m_gguf: Path) -> None:
+    """bench/profile_engine.py's phase timings (FusedDecoder.phase_seconds, csrc/decoder.c PHASE): the
+    same bits as an untimed run, every phase timed, and the buffer checked."""
+    model = model_of(tiny_q4_k_m_gguf, "bfloat16")
+    assert model.fused is not None
+    untimed = run_steps(model, fused=True)
+    model.fused.phase_seconds = torch.zeros(len(PHASES), dtype=torch.float64)
+    try:
+        timed = run_steps(model, fused=True)
+        seconds = model.fused.phase_seconds.tolist()
+    finally:
+        model.fused.phase_seconds = None
+    assert same(timed, untimed)
+    assert all(value > 0.0 for value in seconds), dict(zip(PHASES, seconds, strict=True))
+    model.fused.phase_seconds = torch.zeros(len(PHASES), dtype=torch.float32)
+    with pytest.raises(ValueError, match="phase_seconds must be contiguous float64"):
+        run_steps(model, fused=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import platform
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -245,3 +246,68 @@ def test_greedy_rows_give_log_softmax_rows_bits_at_the_first_argmax() -> None:
 def test_greedy_rows_defer_to_torch_under_the_test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(portable.TORCH_LOG_SOFTMAX_ENV, "1")
     assert portable.greedy_rows(torch.zeros(2, 10)) is None
+
+
+def greedy_bits(kernels: NativeKernels, rows: torch.Tensor) -> list[tuple[int, int, int]]:
+    """detinf_greedy_rows of one build on fp32 rows [R, V]: per row (token, logprob bits, NaN-free flag);
+    a row holding a NaN reports (-1, 0, 0), as nothing is written for it."""
+    count, vocab = rows.shape
+    tokens = torch.full((count,), -1, dtype=torch.int64)
+    values = torch.zeros(count, dtype=torch.float32)
+    usable = torch.zeros(count, dtype=torch.uint8)
+    kernels.library.detinf_greedy_rows(
+        rows.data_ptr(), count, vocab, tokens.data_ptr(), values.data_ptr(), usable.data_ptr()
+    )
+    return list(zip(tokens.tolist(), bits(values).tolist(), usable.tolist(), strict=True))
+
+
+def greedy_cases() -> list[torch.Tensor]:
+    """Rows around the 16-lane tails (vocab 1 to 49152), with ties, -0.0 beside +0.0 as the maximum,
+    masked (-inf) tokens, an all -inf row, a NaN row and a maximum in the last column."""
+    cases = []
+    for vocab in (1, 2, 15, 16, 17, 33, 1000, 49152):
+        rows = logits_rows(9, vocab, vocab)
+        if vocab >= 2:
+            rows[3, vocab // 2 :] = rows[3].max() + 1.0  # tie from the middle to the end: first wins
+            rows[4] = -INF
+            rows[5, -1] = 1e4  # the maximum in the last column
+            rows[6] = -1.0
+            rows[6, vocab - 1], rows[6, max(vocab - 2, 0)] = 0.0, -0.0
+        rows[7, vocab // 3] = math.nan
+        cases.append(rows)
+    return cases
+
+
+@pytest.mark.skipif(not X86, reason="the alternative builds use x86-64 -march levels")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_greedy_rows_same_bits_across_builds_rows_and_threads(
+    kernels: NativeKernels, march_builds: dict[str, NativeKernels], threads: int
+) -> None:
+    """The greedy kernel's AVX-512 path (16 lanes in one register) gives the scalar loops' bits: the
+    native build equals the x86-64-v3 (AVX2) and x86-64 (SSE2) ones, and each row alone equals the row at
+    the first, a middle and the last position of the batch, at 1 and 2 threads."""
+    for rows in greedy_cases():
+        with torch_threads(threads):
+            expected = greedy_bits(kernels, rows)
+        for name, other in march_builds.items():
+            assert greedy_bits(other, rows) == expected, f"{name}, vocab {rows.shape[1]}"
+        for r in (0, rows.shape[0] // 2, rows.shape[0] - 1):
+            assert greedy_bits(kernels, rows[r : r + 1].contiguous()) == [expected[r]]
+        big = torch.cat([rows] * 5)  # 45 rows: above the kernel's threading threshold at vocab >= 1457
+        with torch_threads(threads):
+            assert greedy_bits(kernels, big) == expected * 5
+
+
+@pytest.mark.skipif(not X86, reason="the alternative builds use x86-64 -march levels")
+def test_negative_control_greedy_rows_see_another_exp(
+    kernels: NativeKernels, flagged_build: Callable[[str], NativeKernels]
+) -> None:
+    """The comparisons above can fail: a build whose exp rounds each product and sum apart gives other
+    logprob bits (the same tokens) on some rows. Two-token rows [0, d]: the logprob is -log(1 + exp(d)),
+    where an ulp of exp(d) shows (over a whole vocabulary the sum hides it)."""
+    other = flagged_build("-DDETINF_TEST_SEPARATE_STEPS")
+    gaps = torch.linspace(-3.0, 0.0, 4096)
+    rows = torch.stack([torch.zeros_like(gaps), gaps], dim=1).contiguous()  # [4096, 2]
+    ours, theirs = greedy_bits(kernels, rows), greedy_bits(other, rows)
+    assert [row[0] for row in ours] == [row[0] for row in theirs]
+    assert any(a[1] != b[1] for a, b in zip(ours, theirs, strict=True))

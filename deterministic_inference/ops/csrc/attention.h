@@ -117,24 +117,6 @@ static inline float row_max(const float *scores, int64_t keys, int64_t step) {
 }
 
 #if defined(__AVX512F__) && !defined(DETINF_TEST_SEPARATE_STEPS)
-/* exp_in_range of 16 lanes, each lane exactly its operations: the same fused multiply-adds, the
-   truncation of the integer-valued n, and p * 2^n (VSCALEFPS rounds the exact product p * 2^n once, as
-   the multiplication by the float 2^n does; 2^n is a normal float for every n here). */
-static inline __m512 exp16_in_range(__m512 x) {
-    const __m512 magic = _mm512_set1_ps(ROUND_MAGIC);
-    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), magic), magic);
-    const __m512 r_hi = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
-    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r_hi);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 5040.0f), r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* exp(s - m) of the 16 scores at x, s - m clamped below at -87 (MAXPS(-87, d) is -87 > d ? -87 : d: the
    scalar clamp, NaN included), written back in place */
 static inline __m512 exp16_shifted(float *x, __m512 m) {

@@ -97,6 +97,28 @@ static inline float exp_in_range(float x) {
     return p * scale;
 }
 
+#if defined(__AVX512F__) && !defined(DETINF_TEST_SEPARATE_STEPS)
+#include <immintrin.h>
+
+/* exp_in_range of 16 lanes, each lane exactly its operations: the same fused multiply-adds, the
+   truncation of the integer-valued n, and p * 2^n (VSCALEFPS rounds the exact product p * 2^n once, as
+   the multiplication by the float 2^n does; 2^n is a normal float for every n here). */
+static inline __m512 exp16_in_range(__m512 x) {
+    const __m512 magic = _mm512_set1_ps(ROUND_MAGIC);
+    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), magic), magic);
+    const __m512 r_hi = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r_hi);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 5040.0f), r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
 /* exp(x) for any float x, clamped to [-87, 88] where exp stays a normal float. */
 static inline float exp_clamped(float x) { return exp_in_range(x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x)); }
 

@@ -14,6 +14,8 @@
    another payload than torch's, and the next GEMM turns any NaN into its canonical quiet NaN). What it
    removes is ~10 Python calls, their checks and their tensor allocations per layer. */
 
+#include <time.h>
+
 #include "quant.h"
 
 void detinf_add_rms_norm(void *hidden, const void *delta, const void *weight, void *out, int64_t rows,
@@ -76,7 +78,31 @@ typedef struct {
     void *delta;                        /* [T, hidden] model dtype */
     void *gate_up;                      /* [T, 2 I] model dtype */
     void *act;                          /* [T, I] model dtype */
+    double *phase_seconds;              /* NULL, or [PHASE_COUNT] seconds added per phase (profiling) */
 } detinf_step;
+
+/* The phases bench/profile_engine.py reports: wall seconds of each call, summed over the layers. */
+enum { PHASE_NORM, PHASE_QKV, PHASE_ROTARY, PHASE_ATTENTION, PHASE_ATT_ROUND, PHASE_O_PROJ, PHASE_GATE_UP,
+       PHASE_SILU, PHASE_DOWN, PHASE_COUNT };
+
+static double seconds_now(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
+}
+
+/* `statement`, its wall time added to phase_seconds[phase] when the step asks for timings (timing never
+   touches the arithmetic). */
+#define PHASE(step, phase, statement)                                        \
+    do {                                                                     \
+        if ((step)->phase_seconds == NULL) {                                 \
+            statement;                                                       \
+        } else {                                                             \
+            const double start_ = seconds_now();                             \
+            statement;                                                       \
+            (step)->phase_seconds[phase] += seconds_now() - start_;          \
+        }                                                                    \
+    } while (0)
 
 static int run_linear(const detinf_linear *linear, const void *x, int64_t m, int model_bf16, void *out, int flags) {
     if (linear->kind == LINEAR_QUANT) {
@@ -96,39 +122,55 @@ static int run_linear(const detinf_linear *linear, const void *x, int64_t m, int
     return FUSED_OK;
 }
 
+/* out = att rounded to bf16 (f32_to_bf16: torch's rounding), [rows, width]; rows shared out between the
+   OpenMP threads, each element on its own. */
+static void round_rows(const float *att, uint16_t *out, int64_t rows, int64_t width) {
+#pragma omp parallel for schedule(static) if (rows >= 32)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = r * width; i < (r + 1) * width; i++) out[i] = f32_to_bf16(att[i]);
+    }
+}
+
 static int attention_block(const detinf_layer *layer, const detinf_step *s, int bf16) {
     const int64_t t = s->tokens;
-    int status = detinf_rotary_write_kv(s->qkv, s->positions, s->cos, s->sin, s->write_blocks, s->write_offsets,
-                                        s->q32, layer->k_cache, layer->v_cache, t, s->heads, s->kv_heads,
-                                        s->head_dim, s->block_size, s->num_blocks, s->table_rows, bf16,
-                                        (int)s->kv_dtype);
+    int status;
+    PHASE(s, PHASE_ROTARY,
+          status = detinf_rotary_write_kv(s->qkv, s->positions, s->cos, s->sin, s->write_blocks, s->write_offsets,
+                                          s->q32, layer->k_cache, layer->v_cache, t, s->heads, s->kv_heads,
+                                          s->head_dim, s->block_size, s->num_blocks, s->table_rows, bf16,
+                                          (int)s->kv_dtype));
     if (status) return FUSED_ROTARY_RANGE;
-    status = detinf_attention(s->q32, layer->k_cache, layer->v_cache, (int)s->kv_dtype, s->block_ids, s->num_ids, s->row_table,
-                              s->row_keys, 0, t, s->heads, s->kv_heads, s->head_dim, s->block_size, s->num_blocks,
-                              s->scale, s->att32, 0 /* tile: the kernel's choice; never changes a bit */);
+    /* tile 0: the kernel's choice; never changes a bit */
+    PHASE(s, PHASE_ATTENTION,
+          status = detinf_attention(s->q32, layer->k_cache, layer->v_cache, (int)s->kv_dtype, s->block_ids,
+                                    s->num_ids, s->row_table, s->row_keys, 0, t, s->heads, s->kv_heads, s->head_dim,
+                                    s->block_size, s->num_blocks, s->scale, s->att32, 0));
     if (status == 2) return FUSED_ATTENTION_RANGE;
     if (status) return FUSED_ATTENTION_MEMORY;
     if (!bf16) return FUSED_OK;
-    const int64_t count = t * s->heads * s->head_dim;
-    uint16_t *att = (uint16_t *)s->att;
-    for (int64_t i = 0; i < count; i++) att[i] = f32_to_bf16(s->att32[i]);
+    PHASE(s, PHASE_ATT_ROUND, round_rows(s->att32, (uint16_t *)s->att, t, s->heads * s->head_dim));
     return FUSED_OK;
 }
 
 static int run_layer(const detinf_layer *layer, const detinf_step *s, void *hidden, void *pending, int has_pending) {
     const int bf16 = (int)s->model_bf16, flags = (int)s->flags;
     const int64_t t = s->tokens;
-    detinf_add_rms_norm(hidden, has_pending ? pending : NULL, layer->input_norm, s->normed, t, s->hidden, s->eps,
-                        bf16);
-    int status = run_linear(&layer->qkv, s->normed, t, bf16, s->qkv, flags);
+    PHASE(s, PHASE_NORM, detinf_add_rms_norm(hidden, has_pending ? pending : NULL, layer->input_norm, s->normed, t,
+                                             s->hidden, s->eps, bf16));
+    int status;
+    PHASE(s, PHASE_QKV, status = run_linear(&layer->qkv, s->normed, t, bf16, s->qkv, flags));
     if (!status) status = attention_block(layer, s, bf16);
-    if (!status) status = run_linear(&layer->o_proj, bf16 ? s->att : (void *)s->att32, t, bf16, s->delta, flags);
+    if (!status) {
+        void *att = bf16 ? s->att : (void *)s->att32;
+        PHASE(s, PHASE_O_PROJ, status = run_linear(&layer->o_proj, att, t, bf16, s->delta, flags));
+    }
     if (status) return status;
-    detinf_add_rms_norm(hidden, s->delta, layer->post_norm, s->normed, t, s->hidden, s->eps, bf16);
-    status = run_linear(&layer->gate_up, s->normed, t, bf16, s->gate_up, flags);
+    PHASE(s, PHASE_NORM, detinf_add_rms_norm(hidden, s->delta, layer->post_norm, s->normed, t, s->hidden, s->eps, bf16));
+    PHASE(s, PHASE_GATE_UP, status = run_linear(&layer->gate_up, s->normed, t, bf16, s->gate_up, flags));
     if (status) return status;
-    detinf_silu_mul(s->gate_up, s->act, t, s->inter, bf16);
-    return run_linear(&layer->down, s->act, t, bf16, pending, flags);
+    PHASE(s, PHASE_SILU, detinf_silu_mul(s->gate_up, s->act, t, s->inter, bf16));
+    PHASE(s, PHASE_DOWN, status = run_linear(&layer->down, s->act, t, bf16, pending, flags));
+    return status;
 }
 
 /* Layers [0, count) of one step. hidden [T, hidden] (the residual stream, updated in place) and pending

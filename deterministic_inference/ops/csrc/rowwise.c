@@ -9,6 +9,12 @@
    activations are then bf16 in memory, computed in fp32 and rounded to nearest even after the same
    operations torch performs in bf16 (each bf16 op computes in fp32 and rounds once). */
 
+/* Wider vectors where the build has AVX-512 (gcc's default for -march=native there is 256 bits): every
+   loop here is elementwise or keeps its 16 lane sums explicit, so the width changes speed only. */
+#if defined(__x86_64__) && defined(__AVX512F__)
+#pragma GCC target("prefer-vector-width=512")
+#endif
+
 #include "common.h"
 #include "kv_q8.h"
 
@@ -23,6 +29,58 @@ static inline void store_act(void *base, int64_t i, float value, int bf16) {
     if (bf16) ((uint16_t *)base)[i] = f32_to_bf16(value);
     else ((float *)base)[i] = value;
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(DETINF_TEST_SEPARATE_STEPS)
+#define ROWWISE_BF16_512 1
+/* RMSNorm's bf16 rows on 16-lane AVX-512 registers: lane l holds element base + l, every lane op the
+   scalar one below (the integer round-to-nearest-even of f32_to_bf16 with its NaN rule, IEEE adds and
+   multiplies), the 16 lane sums kept in one register, tails under a mask. So the bits are the scalar
+   loops'; the tests compare builds with and without AVX-512. (SiLU gains nothing from this: the
+   compiler's 512-bit loop is as fast, bound by the divides.) */
+static inline __mmask16 row_mask(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u); }
+
+static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 live) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* f32_to_bf16 of 16 lanes, in the low 16 bits of each 32-bit lane */
+static inline __m512i bf16_bits16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7FC0));
+}
+
+static inline __m512 round_bf16x16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
+
+static inline void store_bf16x16(uint16_t *p, __m512 v, __mmask16 live) {
+    _mm256_mask_storeu_epi16(p, live, _mm512_cvtepi32_epi16(bf16_bits16(v)));
+}
+
+/* add_rms_norm_row's bf16 arithmetic (below), on one row of `width` */
+static void add_rms_norm_row_bf16(uint16_t *hidden, const uint16_t *delta, const uint16_t *weight, uint16_t *out,
+                                  int64_t width, float eps) {
+    __m512 lanes = _mm512_setzero_ps();
+    for (int64_t i = 0; i < width; i += 16) {
+        const __mmask16 live = row_mask(width - i);
+        __m512 x = load_bf16x16(hidden + i, live);
+        if (delta != NULL) {
+            x = round_bf16x16(_mm512_add_ps(x, load_bf16x16(delta + i, live)));
+            store_bf16x16(hidden + i, x, live);
+        }
+        lanes = _mm512_mask_add_ps(lanes, live, lanes, _mm512_mul_ps(x, x));
+    }
+    float sums[LANES];
+    _mm512_storeu_ps(sums, lanes);
+    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(lane_tree(sums) / (float)width + eps));
+    for (int64_t j = 0; j < width; j += 16) {
+        const __mmask16 live = row_mask(width - j);
+        const __m512 normed = round_bf16x16(_mm512_mul_ps(load_bf16x16(hidden + j, live), inv));
+        store_bf16x16(out + j, _mm512_mul_ps(load_bf16x16(weight + j, live), normed), live);
+    }
+}
+#endif
 
 /* hidden[r] (+)= delta[r] (when delta is given), then out[r] = weight * round(hidden[r] * rsqrt(mean(
    hidden[r]^2) + eps)): HF Llama's RMSNorm on the residual stream, for row r of width `width`. hidden,
@@ -65,6 +123,13 @@ void detinf_add_rms_norm(void *hidden, const void *delta, const void *weight, vo
                          int64_t width, float eps, int model_bf16) {
 #pragma omp parallel for schedule(static) if (rows >= 32)
     for (int64_t r = 0; r < rows; r++) {
+#if defined(ROWWISE_BF16_512)
+        if (model_bf16) {
+            add_rms_norm_row_bf16((uint16_t *)hidden + r * width, delta ? (const uint16_t *)delta + r * width : NULL,
+                                  (const uint16_t *)weight, (uint16_t *)out + r * width, width, eps);
+            continue;
+        }
+#endif
         if (model_bf16) add_rms_norm_row(hidden, delta, weight, out, r, width, eps, 1);
         else add_rms_norm_row(hidden, delta, weight, out, r, width, eps, 0);
     }
@@ -118,18 +183,27 @@ void detinf_softcap(float *x, int64_t n, float cap) {
 }
 
 /* One head's rotation (rotate-half layout): out[d] = round(round(x[d] * c[d]) + round(rot[d] * s[d]))
-   with rot = (-x[half:], x[:half]) and c, s the fp32 tables rounded to the model dtype, as HF computes
-   it in bf16. `out` is fp32 scratch of `dim` values. */
-INLINE void rotate(const void *x, int64_t offset, const float *cos_row, const float *sin_row,
-                          int64_t dim, int bf16, float *out) {
-    const int64_t half = dim / 2;
-    for (int64_t d = 0; d < dim; d++) {
+   with rot = (-x[half:], x[:half]) and c, s the fp32 tables rounded to the model dtype (`cos_r`, `sin_r`:
+   rounded once per token by the caller), as HF computes it in bf16. `out` is fp32 scratch of `dim`
+   values. The two halves run as two loops (partner -x[d + half], then x[d - half]) so each vectorises;
+   every element is the same three rounded operations either way. */
+INLINE void rotate_half(const void *x, int64_t offset, const float *cos_r, const float *sin_r, int64_t from,
+                        int64_t to, int64_t shift, int negate, int bf16, float *out) {
+    for (int64_t d = from; d < to; d++) {
         const float value = load_act(x, offset + d, bf16);
-        const float partner = d < half ? -load_act(x, offset + d + half, bf16) : load_act(x, offset + d - half, bf16);
-        const float a = round_act(value * round_act(cos_row[d], bf16), bf16);
-        const float b = round_act(partner * round_act(sin_row[d], bf16), bf16);
+        const float other = load_act(x, offset + d + shift, bf16);
+        const float partner = negate ? -other : other;
+        const float a = round_act(value * cos_r[d], bf16);
+        const float b = round_act(partner * sin_r[d], bf16);
         out[d] = round_act(a + b, bf16);
     }
+}
+
+INLINE void rotate(const void *x, int64_t offset, const float *cos_r, const float *sin_r, int64_t dim, int bf16,
+                   float *out) {
+    const int64_t half = dim / 2;
+    rotate_half(x, offset, cos_r, sin_r, 0, half, half, 1, bf16, out);
+    rotate_half(x, offset, cos_r, sin_r, half, dim, -half, 0, bf16, out);
 }
 
 /* KV head h's rotated key and value (model-dtype values as fp32, [dim]) into slot `off` of block `blk`:
@@ -156,14 +230,18 @@ INLINE void rotary_write_kv_token(const void *qkv, const int64_t *positions, con
                                   float *q_out, void *k_cache, void *v_cache, int64_t t, int64_t heads,
                                   int64_t kv_heads, int64_t dim, int64_t block, int model_bf16, int cache_dtype) {
     const int64_t width = (heads + 2 * kv_heads) * dim;
-    float rotated[1024], value[1024];
+    float rotated[1024], value[1024], cos_r[1024], sin_r[1024];
     const float *cos_row = cos_table + positions[t] * dim, *sin_row = sin_table + positions[t] * dim;
     const int64_t row = t * width, blk = write_blocks[t], off = write_offsets[t];
+    for (int64_t d = 0; d < dim; d++) {
+        cos_r[d] = round_act(cos_row[d], model_bf16);
+        sin_r[d] = round_act(sin_row[d], model_bf16);
+    }
     for (int64_t h = 0; h < heads; h++) {
-        rotate(qkv, row + h * dim, cos_row, sin_row, dim, model_bf16, q_out + (t * heads + h) * dim);
+        rotate(qkv, row + h * dim, cos_r, sin_r, dim, model_bf16, q_out + (t * heads + h) * dim);
     }
     for (int64_t h = 0; h < kv_heads; h++) {
-        rotate(qkv, row + (heads + h) * dim, cos_row, sin_row, dim, model_bf16, rotated);
+        rotate(qkv, row + (heads + h) * dim, cos_r, sin_r, dim, model_bf16, rotated);
         for (int64_t d = 0; d < dim; d++) value[d] = load_act(qkv, row + (heads + kv_heads + h) * dim + d, model_bf16);
         store_kv(k_cache, v_cache, rotated, value, blk, off, h, kv_heads, dim, block, cache_dtype);
     }

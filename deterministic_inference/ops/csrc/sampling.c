@@ -14,7 +14,7 @@
    ascending order, then the lanes in order (explicit lanes vectorise; the maximum is the same value in
    any order, and this order also fixes which zero wins among -0.0 and +0.0); *has_nan set when a NaN
    is in the row. */
-INLINE float row_max(const float *x, int64_t n, int *has_nan) {
+INLINE float row_max_scalar(const float *x, int64_t n, int *has_nan) {
     float lanes[LANES];
     int nan[LANES] = {0};
     for (int l = 0; l < LANES; l++) lanes[l] = -INFINITY;
@@ -49,7 +49,7 @@ INLINE void block_terms(const float *x, float max, float *terms) {
 
 /* sum over i of exp(x[i] - max): element i added to lane i % 16 in ascending order, then lane_tree;
    with `out` (store = 1), the terms are stored there too. */
-INLINE float exp_sum(const float *x, int64_t n, float max, float *out, int store) {
+INLINE float exp_sum_scalar(const float *x, int64_t n, float max, float *out, int store) {
     float lanes[LANES] = {0}, terms[LANES];
     int64_t base = 0;
     for (; base + LANES <= n; base += LANES) {
@@ -64,6 +64,86 @@ INLINE float exp_sum(const float *x, int64_t n, float max, float *out, int store
     }
     return lane_tree(lanes);
 }
+
+#if defined(__AVX512F__) && !defined(DETINF_TEST_SEPARATE_STEPS)
+/* The AVX-512 twins of row_max_scalar and exp_sum_scalar: lane l of one register is lanes[l] (element
+   base + l goes to it, the tail under a mask), every lane op the scalar one (a compare-and-blend for
+   `value > lane ? value : lane`, pm_expf16 for pm_expf, one add per term), then the same scalar
+   reductions of the 16 lanes. So their bits are the scalar loops'; the tests compare builds with and
+   without AVX-512. */
+static inline __mmask16 tail_mask(int64_t left) { return (__mmask16)((1u << left) - 1u); }
+
+INLINE float row_max(const float *x, int64_t n, int *has_nan) {
+    __m512 lanes = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    for (int64_t base = 0; base < n; base += LANES) {
+        const __mmask16 live = n - base >= LANES ? (__mmask16)0xFFFF : tail_mask(n - base);
+        const __m512 value = _mm512_maskz_loadu_ps(live, x + base);
+        const __mmask16 greater = _mm512_mask_cmp_ps_mask(live, value, lanes, _CMP_GT_OQ);
+        lanes = _mm512_mask_blend_ps(greater, lanes, value);
+        nan |= _mm512_mask_cmp_ps_mask(live, value, value, _CMP_UNORD_Q);
+    }
+    float stored[LANES];
+    _mm512_storeu_ps(stored, lanes);
+    float best = stored[0];
+    for (int l = 1; l < LANES; l++) best = stored[l] > best ? stored[l] : best;
+    *has_nan = nan != 0;
+    return best;
+}
+
+/* pm_expf of 16 lanes: the same clamps and selects around exp16_in_range. */
+static inline __m512 pm_expf16(__m512 x) {
+    const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __mmask16 low = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+    const __mmask16 high = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.0f), _CMP_GT_OQ);
+    __m512 clamped = _mm512_mask_blend_ps(high, x, _mm512_set1_ps(88.0f));
+    clamped = _mm512_mask_blend_ps(low, clamped, _mm512_set1_ps(-87.0f));
+    clamped = _mm512_mask_blend_ps(is_nan, clamped, _mm512_setzero_ps());
+    __m512 y = exp16_in_range(clamped);
+    y = _mm512_mask_blend_ps(low, y, _mm512_setzero_ps());
+    y = _mm512_mask_blend_ps(high, y, _mm512_set1_ps(INFINITY));
+    return _mm512_mask_blend_ps(is_nan, y, x);
+}
+
+INLINE float exp_sum(const float *x, int64_t n, float max, float *out, int store) {
+    const __m512 shift = _mm512_set1_ps(max);
+    __m512 lanes = _mm512_setzero_ps();
+    for (int64_t base = 0; base < n; base += LANES) {
+        const __mmask16 live = n - base >= LANES ? (__mmask16)0xFFFF : tail_mask(n - base);
+        const __m512 terms = pm_expf16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, x + base), shift));
+        lanes = _mm512_mask_add_ps(lanes, live, lanes, terms);
+        if (store) _mm512_mask_storeu_ps(out + base, live, terms);
+    }
+    float stored[LANES];
+    _mm512_storeu_ps(stored, lanes);
+    return lane_tree(stored);
+}
+
+/* The lowest index below n - 1 holding `max` (compared with ==), else n - 1. */
+INLINE int64_t first_max(const float *x, int64_t n, float max) {
+    const __m512 target = _mm512_set1_ps(max);
+    for (int64_t base = 0; base < n - 1; base += LANES) {
+        const int64_t left = n - 1 - base;
+        const __mmask16 live = left >= LANES ? (__mmask16)0xFFFF : tail_mask(left);
+        const __mmask16 equal = _mm512_mask_cmp_ps_mask(live, _mm512_maskz_loadu_ps(live, x + base), target, _CMP_EQ_OQ);
+        if (equal) return base + __builtin_ctz(equal);
+    }
+    return n - 1;
+}
+#else
+INLINE float row_max(const float *x, int64_t n, int *has_nan) { return row_max_scalar(x, n, has_nan); }
+
+INLINE float exp_sum(const float *x, int64_t n, float max, float *out, int store) {
+    return exp_sum_scalar(x, n, max, out, store);
+}
+
+/* The lowest index below n - 1 holding `max` (compared with ==), else n - 1. */
+INLINE int64_t first_max(const float *x, int64_t n, float max) {
+    int64_t token = 0;
+    while (token < n - 1 && !(x[token] == max)) token++; /* -0.0 == +0.0, as torch.argmax compares */
+    return token;
+}
+#endif
 
 static void fill_nan(float *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = NAN;
@@ -128,8 +208,7 @@ void detinf_greedy_rows(const float *x, int64_t rows, int64_t cols, int64_t *tok
         const float max = row_max(row, cols, &has_nan);
         usable[r] = (uint8_t)!has_nan;
         if (has_nan) continue;
-        int64_t token = 0;
-        while (token < cols - 1 && !(row[token] == max)) token++; /* -0.0 == +0.0, as torch.argmax compares */
+        const int64_t token = first_max(row, cols, max); /* -0.0 == +0.0, as torch.argmax compares */
         const float log_sum = (float)pm_log((double)exp_sum(row, cols, max, NULL, 0));
         tokens[r] = token;
         logprobs[r] = (row[token] - max) - log_sum;

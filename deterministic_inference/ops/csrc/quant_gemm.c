@@ -145,11 +145,13 @@ static void compute_panel(const gemm_call *call, const detinf_qpart *part, const
         const int64_t u0 = chunk * CHUNK_UNITS;
         const int64_t count = units - u0 < CHUNK_UNITS ? units - u0 : CHUNK_UNITS;
         for (int h = 0; h < halves; h++) unpack_half(&src, h, part->row_bytes, units, u0, count, &ws->halves[h]);
-#if defined(DETINF_Q_AMX)
-        if (amx_done) amx_rows(src.format, xq, 0, call->amx_tiles, u0, count, ws->halves, halves, ws->acc);
-#endif
         kernel_rows(src.format, xq, amx_done, call->m - amx_done, u0, count, ws->halves, halves,
                     ws->acc + amx_done * ACC_COLS);
+#if defined(DETINF_Q_AMX) /* after kernel_rows: amx_rows turns the chunk's weights signed */
+        if (amx_done)
+            amx_rows(src.format, xq, 0, call->amx_tiles, u0, count, ws->halves, halves,
+                     !(call->flags & QTEST_AMX_UNSIGNED), ws->acc);
+#endif
     }
     store_panel(call, ws->acc, ref->out_col, cols);
 }

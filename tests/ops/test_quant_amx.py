@@ -23,7 +23,9 @@ from deterministic_inference.ops.quant_probe import random_weight
 from tests.ops.helpers import THREADS, bits, num_threads
 
 AMX_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
-ROW_COUNTS = (16, 17, 31, 32, 33, 50, 64, 100, 512)  # whole tiles, a tile and a remainder, several tiles
+# whole tiles; a tile and a remainder of 1-9 rows (VNNI tiles) or of 10-15 (a last AMX tile with padding
+# rows: 26, 27, 31, 300); several tiles
+ROW_COUNTS = (16, 17, 25, 26, 27, 31, 32, 33, 50, 64, 100, 300, 512)
 
 
 @pytest.fixture(scope="module")

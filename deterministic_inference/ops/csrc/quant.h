@@ -212,6 +212,7 @@ static inline uint8_t unit_value(int64_t format, const uint8_t *row, int64_t u, 
 int xquant_alloc(xquant *xq, int64_t m, int64_t k, int block);
 void xquant_free(xquant *xq);
 void xquant_rows(xquant *xq, const void *x, int64_t m, int x_bf16, int batch_scale);
+void xquant_zero_rows(xquant *xq, int64_t m, int64_t rows);
 
 /* quant_unpack.c: columns' row pointers rows[16], units [u0, u0 + units) of `format` into p */
 void unpack_chunk(int64_t format, const uint8_t *const *rows, int64_t row_bytes, int64_t u0, int64_t units, qpanel *p);

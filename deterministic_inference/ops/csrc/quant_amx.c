@@ -15,9 +15,10 @@
    Speed (Intel Xeon, Emerald Rapids VM, one thread; bench/RESULTS.md, issue 36, fourth session): the tile
    instructions of a unit (an A load, two B loads, two TDPBSSD, two 1 KB stores: ~40 ns per 16 rows x 32
    columns) and its float scaling (~37 ns) are each about half of the path's time and overlap only in
-   part; unit u + 1's tile instructions are issued before unit u's sums are scaled so that they can. The
-   signed weights save the integer correction (a broadcast and a subtraction per row, half and block):
-   1.04-1.24x on Q4_0 at 32-512 rows. */
+   part; unit u + 1's tile instructions are issued before unit u's sums are scaled so that they can
+   (Q4_1 / Q5_1, with two more float operations, keep groups of 4 units scaled with the running sums in
+   registers). The signed weights save the integer correction (a broadcast and a subtraction per row,
+   half and block): 1.04-1.24x on Q4_0 at 32-512 rows. */
 
 #include "quant512.h"
 
@@ -146,6 +147,49 @@ INLINE void tile_rows(const int MIN, const int H, const xquant *xq, int64_t firs
     }
 }
 
+#define MIN_GROUP 4 /* Q4_1 / Q5_1: units whose tile products are stored before they are scaled */
+#define MIN_ROWS 4  /* Q4_1 / Q5_1: rows whose running sums stay in registers over a group (x 2 halves) */
+
+/* Q4_1 / Q5_1: MIN_ROWS rows (from row r0 of the tile) x H halves of acc += the n units from uu of a group's
+   stored sums [n][2][16 rows][16]: quant.h's sequence, each output's operations in unit order, the
+   (row, half) chains side by side in registers. H literal. */
+INLINE void scale_min_rows(const int H, const xquant *xq, int64_t first, int r0, int64_t u0, int64_t uu, int n,
+                           const qpanel *p, const int32_t *sums, float *acc) {
+    const int64_t blocks = xq->k / UNIT;
+    __m512 f[MIN_ROWS][2];
+    for (int r = 0; r < MIN_ROWS; r++)
+        for (int h = 0; h < H; h++) f[r][h] = _mm512_loadu_ps(acc + (r0 + r) * ACC_COLS + h * QCOLS);
+    for (int i = 0; i < n; i++) {
+        const float *dx = xq->d + (first + r0) * blocks + u0 + uu + i;
+        const float *sf = xq->sf + (first + r0) * blocks + u0 + uu + i;
+        for (int h = 0; h < H; h++) {
+            const __m512 dw = _mm512_loadu_ps(p[h].d + (uu + i) * QCOLS);
+            const __m512 mw = _mm512_loadu_ps(p[h].m + (uu + i) * QCOLS);
+            for (int r = 0; r < MIN_ROWS; r++) {
+                const int32_t *isum = sums + i * TILE_SUMS + (h * AMX_ROWS + r0 + r) * QCOLS;
+                const __m512 x_scale = _mm512_set1_ps(dx[r * blocks]);
+                f[r][h] = _mm512_fmadd_ps(_mm512_mul_ps(dw, x_scale), exact_float(isum), f[r][h]);
+                f[r][h] = _mm512_fmadd_ps(_mm512_mul_ps(mw, x_scale), _mm512_set1_ps(sf[r * blocks]), f[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < MIN_ROWS; r++)
+        for (int h = 0; h < H; h++) _mm512_storeu_ps(acc + (r0 + r) * ACC_COLS + h * QCOLS, f[r][h]);
+}
+
+/* Q4_1 / Q5_1, rows [first, first + 16): MIN_GROUP units' tile products, then their scaling with the
+   running sums in registers. With five float operations per row, half and block, the unit-by-unit loop
+   of tile_rows (running sums in memory) was 2-8% slower here at 27-512 rows. H literal. */
+INLINE void tile_rows_min(const int H, const xquant *xq, int64_t first, int64_t u0, int64_t units, const qpanel *p,
+                          float *acc) {
+    int32_t sums[MIN_GROUP * TILE_SUMS] __attribute__((aligned(64)));
+    for (int64_t uu = 0; uu < units; uu += MIN_GROUP) {
+        const int n = units - uu < MIN_GROUP ? (int)(units - uu) : MIN_GROUP;
+        for (int i = 0; i < n; i++) unit_sums(xq, first, u0, uu + i, p, H, sums + i * TILE_SUMS);
+        for (int r0 = 0; r0 < AMX_ROWS; r0 += MIN_ROWS) scale_min_rows(H, xq, first, r0, u0, uu, n, p, sums, acc);
+    }
+}
+
 /* Rows [r0, r0 + tiles * 16) against the chunk's units [u0, u0 + units) of 1 or 2 halves; acc [rows][32]
    holds the running sums in and out. The calling thread has run amx_begin; the chunk's weights are made
    signed here, so the VNNI rows of the chunk (kernel_rows) must have run first. make_signed = 0 only for
@@ -157,8 +201,8 @@ void amx_rows(int64_t format, const xquant *xq, int64_t r0, int64_t tiles, int64
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t first = r0 + t * AMX_ROWS;
         float *tile_acc = acc + t * AMX_ROWS * ACC_COLS;
-        if (min && halves == 2) tile_rows(1, 2, xq, first, u0, units, p, tile_acc);
-        else if (min) tile_rows(1, 1, xq, first, u0, units, p, tile_acc);
+        if (min && halves == 2) tile_rows_min(2, xq, first, u0, units, p, tile_acc);
+        else if (min) tile_rows_min(1, xq, first, u0, units, p, tile_acc);
         else if (halves == 2) tile_rows(0, 2, xq, first, u0, units, p, tile_acc);
         else tile_rows(0, 1, xq, first, u0, units, p, tile_acc);
     }

@@ -48,6 +48,7 @@ TEST_BATCH_SCALE = 1  # activation block scales from the largest |x| over all ro
 TEST_REVERSE = 2  # blocks in descending order (16-unit chunks)
 TEST_REVERSE_ODD_THREADS = 4  # the same on odd-numbered OpenMP threads only
 TEST_NO_AMX = 8  # the AVX-512 VNNI tiles where the AMX-INT8 ones would run (same bits: tests compare)
+TEST_AMX_UNSIGNED = 16  # the AMX-INT8 tiles sum the unsigned weight bytes (Q4_0 / Q5_0 / Q8_0: offset lost)
 
 
 class UnsupportedWeightFormat(DetinfError):

@@ -37,7 +37,7 @@
    depends on m, the row's position, the other rows, the thread or the ISA: columns are shared out in
    panels of 16, each output computed whole by one thread in the order above.
 
-   Build paths: AMX-INT8 (TDPBSUD, 16 rows at a time, 32-value formats, when the CPU and kernel allow it),
+   Build paths: AMX-INT8 (TDPBSSD, 16 rows at a time, 32-value formats, when the CPU and kernel allow it),
    AVX512-VNNI (VPDPBUSD), AVX2 (VPMADDUBSW emulation, exact), portable C (fmaf). The bits are the same;
    tests build all of them and compare. */
 
@@ -82,6 +82,7 @@ static inline int64_t stored_format(int64_t id) { return id >= X16 ? id - X16 : 
 #define QTEST_REVERSE 2     /* blocks (chunks of 16 units) in descending order */
 #define QTEST_REVERSE_ODD 4 /* the same, on odd-numbered threads only */
 #define QTEST_NO_AMX 8      /* the VNNI tiles where the AMX ones would run (the tests compare the two) */
+#define QTEST_AMX_UNSIGNED 16 /* the AMX tiles sum the unsigned weight bytes (formats with an offset: wrong) */
 
 /* One stacked part of a linear, as Python's QuantLinear passes it (ctypes mirror in ops/quant.py). */
 typedef struct {
@@ -211,6 +212,7 @@ static inline uint8_t unit_value(int64_t format, const uint8_t *row, int64_t u, 
 int xquant_alloc(xquant *xq, int64_t m, int64_t k, int block);
 void xquant_free(xquant *xq);
 void xquant_rows(xquant *xq, const void *x, int64_t m, int x_bf16, int batch_scale);
+void xquant_zero_rows(xquant *xq, int64_t m, int64_t rows);
 
 /* quant_unpack.c: columns' row pointers rows[16], units [u0, u0 + units) of `format` into p */
 void unpack_chunk(int64_t format, const uint8_t *const *rows, int64_t row_bytes, int64_t u0, int64_t units, qpanel *p);
@@ -238,11 +240,12 @@ void fused_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, in
 #endif
 #if defined(DETINF_Q_AMX)
 /* quant_amx.c: amx_usable (common.h) once per process; amx_begin / amx_end around a thread's use of the
-   tiles; amx_rows: rows [r0, r0 + 16 tiles) x the chunk of a 32-value format (the bits of kernel_rows) */
+   tiles; amx_rows: rows [r0, r0 + 16 tiles) x the chunk of a 32-value format (the bits of kernel_rows), after
+   the chunk's kernel_rows: it makes the chunk's weights signed in place */
 void amx_begin(void);
 void amx_end(void);
-void amx_rows(int64_t format, const xquant *xq, int64_t r0, int64_t tiles, int64_t u0, int64_t units,
-              const qpanel *p, int halves, float *acc);
+void amx_rows(int64_t format, const xquant *xq, int64_t r0, int64_t tiles, int64_t u0, int64_t units, qpanel *p,
+              int halves, int make_signed, float *acc);
 #endif
 /* quant_kernels.c: rows [r0, r0 + count) over the chunk of 1 or 2 halves; acc [count][32] in and out */
 void kernel_rows(int64_t format, const xquant *xq, int64_t r0, int64_t count, int64_t u0, int64_t units,

@@ -153,3 +153,15 @@ void xquant_rows(xquant *xq, const void *x, int64_t m, int x_bf16, int batch_sca
     for (int64_t r = 0; r < m; r++) quantize_row(xq, x, r, x_bf16, shared);
     free(shared);
 }
+
+/* Rows [m, rows) as zeros (q = 0, d = 0, sums 0): the padding rows of the last AMX tile. They are computed
+   and never stored; each output row depends on its own activation row only, so they change no output. */
+void xquant_zero_rows(xquant *xq, int64_t m, int64_t rows) {
+    if (rows <= m) return;
+    const int64_t k = xq->k, blocks = k / xq->block;
+    memset(xq->q + m * k, 0, (size_t)((rows - m) * k));
+    memset(xq->d + m * blocks, 0, sizeof(float) * (size_t)((rows - m) * blocks));
+    memset(xq->s32 + m * (k / 32), 0, sizeof(int32_t) * (size_t)((rows - m) * (k / 32)));
+    memset(xq->sf + m * (k / 32), 0, sizeof(float) * (size_t)((rows - m) * (k / 32)));
+    if (xq->s16) memset(xq->s16 + m * (k / 16), 0, sizeof(int32_t) * (size_t)((rows - m) * (k / 16)));
+}

@@ -22,6 +22,7 @@ typedef struct {
     int out_bf16;
     int flags;         /* QTEST_* (tests only) */
     int64_t amx_tiles; /* 32-value formats: rows [0, 16 amx_tiles) go through the AMX tiles (quant_amx.c) */
+    int64_t acc_rows;  /* rows of running sums: m, or 16 amx_tiles when the last tile has padding rows */
 } gemm_call;
 
 /* Per-thread work space: one chunk of the two halves of a panel, and the running sums of every row. */
@@ -138,18 +139,20 @@ static void compute_panel(const gemm_call *call, const detinf_qpart *part, const
     }
 #endif
     /* rows the AMX tiles take (32-value formats only); the rest go through kernel_rows, with the same bits */
-    const int64_t amx_done = xq == call->x32 ? call->amx_tiles * AMX_ROWS : 0;
-    memset(ws->acc, 0, sizeof(float) * (size_t)(call->m * ACC_COLS)); /* acc = +0 */
+    const int64_t amx_done = xq == call->x32 ? call->amx_tiles * AMX_ROWS : 0; /* may pass m: padding rows */
+    const int64_t vnni_rows = call->m > amx_done ? call->m - amx_done : 0;
+    memset(ws->acc, 0, sizeof(float) * (size_t)((amx_done + vnni_rows) * ACC_COLS)); /* acc = +0 */
     for (int64_t i = 0; i < chunks; i++) {
         const int64_t chunk = reverse ? chunks - 1 - i : i;
         const int64_t u0 = chunk * CHUNK_UNITS;
         const int64_t count = units - u0 < CHUNK_UNITS ? units - u0 : CHUNK_UNITS;
         for (int h = 0; h < halves; h++) unpack_half(&src, h, part->row_bytes, units, u0, count, &ws->halves[h]);
-#if defined(DETINF_Q_AMX)
-        if (amx_done) amx_rows(src.format, xq, 0, call->amx_tiles, u0, count, ws->halves, halves, ws->acc);
+        kernel_rows(src.format, xq, amx_done, vnni_rows, u0, count, ws->halves, halves, ws->acc + amx_done * ACC_COLS);
+#if defined(DETINF_Q_AMX) /* after kernel_rows: amx_rows turns the chunk's weights signed */
+        if (amx_done)
+            amx_rows(src.format, xq, 0, call->amx_tiles, u0, count, ws->halves, halves,
+                     !(call->flags & QTEST_AMX_UNSIGNED), ws->acc);
 #endif
-        kernel_rows(src.format, xq, amx_done, call->m - amx_done, u0, count, ws->halves, halves,
-                    ws->acc + amx_done * ACC_COLS);
     }
     store_panel(call, ws->acc, ref->out_col, cols);
 }
@@ -177,7 +180,7 @@ static int run_panels(const gemm_call *call, const detinf_qpart *parts, const pa
 #pragma omp parallel reduction(| : status) if (call->m * call->n * k >= (int64_t)1 << 20)
     {
         workspace ws;
-        const int failed = workspace_alloc(&ws, call->m);
+        const int failed = workspace_alloc(&ws, call->acc_rows);
         status |= failed;
 #if defined(DETINF_Q_AMX)
         if (call->amx_tiles) amx_begin(); /* the tile configuration is per thread */
@@ -194,11 +197,16 @@ static int run_panels(const gemm_call *call, const detinf_qpart *parts, const pa
     return status;
 }
 
-/* How many 16-row tiles of an m-row call the AMX path takes: m / 16 when this build has it, the kernel
-   grants it and the tests did not switch it off; else 0. Speed only: the bits are those of kernel_rows. */
+/* How many 16-row tiles of an m-row call the AMX path takes, when this build has it, the kernel grants it
+   and the tests did not switch it off (else 0): m / 16, and one more whose last rows are padding when
+   PAD_FROM or more rows are left over (a tile costs as much for 11 rows as for 16: at 27 rows a padded
+   second tile was 1.05-1.11x faster than 11 rows of VNNI tiles at issue 36's shapes, at 24 rows
+   0.91-1.06x). Speed only: the bits are those of kernel_rows. */
+#define PAD_FROM 10
 static int64_t amx_tile_count(int64_t m, int flags) {
 #if defined(DETINF_Q_AMX)
-    if (m >= AMX_ROWS && !(flags & QTEST_NO_AMX) && amx_usable()) return m / AMX_ROWS;
+    if (m >= AMX_ROWS && !(flags & QTEST_NO_AMX) && amx_usable())
+        return m / AMX_ROWS + (m % AMX_ROWS >= PAD_FROM);
 #endif
     (void)m, (void)flags;
     return 0;
@@ -219,13 +227,16 @@ int detinf_quant_gemm(const void *x, int64_t m, int64_t k, int x_bf16, const det
     }
     xquant x32 = {0}, x256 = {0};
     panel_ref *refs = NULL;
-    int status = (need32 && xquant_alloc(&x32, m, k, UNIT)) || (need256 && xquant_alloc(&x256, m, k, SUPER));
+    const int64_t amx_tiles = need32 ? amx_tile_count(m, flags) : 0;
+    const int64_t rows32 = amx_tiles * AMX_ROWS > m ? amx_tiles * AMX_ROWS : m; /* with the padding rows */
+    int status = (need32 && xquant_alloc(&x32, rows32, k, UNIT)) || (need256 && xquant_alloc(&x256, m, k, SUPER));
     const int64_t count = status ? 0 : list_panels(parts, nparts, &refs);
     if (count < 0) status = 1;
     if (!status) {
         if (need32) xquant_rows(&x32, x, m, x_bf16, flags & QTEST_BATCH_SCALE);
+        if (need32) xquant_zero_rows(&x32, m, rows32);
         if (need256) xquant_rows(&x256, x, m, x_bf16, flags & QTEST_BATCH_SCALE);
-        const gemm_call call = {&x32, &x256, m, n, bias, out, out_bf16, flags, amx_tile_count(m, flags)};
+        const gemm_call call = {&x32, &x256, m, n, bias, out, out_bf16, flags, amx_tiles, rows32};
         status = run_panels(&call, parts, refs, count, k);
     }
     free(refs);

@@ -5,14 +5,19 @@ class; tests/ops/test_gemm_amx_bf16.py).
 
 Run by hand from the repository root (not a test):
     .venv/bin/python -m bench.bench_gemm_bf16 [--rows 1 8 32 128 512] [--threads 1 2] [--rounds 7]
-Rounds are interleaved and the best round of each path is kept, so read the ratios: absolute times move
-with the machine's load. Weights are random, packed once as the engine packs them.
+        [--base-lib PATH]
+With --base-lib (another build of the kernels, e.g. the library another tree's `python -c "from
+deterministic_inference.ops.native_build import build; print(build())"` prints) its AMX path is timed too,
+beside this tree's, and the table gives base / amx. Rounds are interleaved and the best round of each path
+is kept, so read the ratios: absolute times move with the machine's load. Weights are random, packed once as
+the engine packs them.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+from pathlib import Path
 
 import torch
 
@@ -34,6 +39,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--portable", action="store_true", help="also the portable fmaf loop (slow)")
+    parser.add_argument("--base-lib", type=Path, help="another build: its AMX path beside this tree's")
     args = parser.parse_args()
     names = [name for name in BUILDS if args.portable or name != "portable"]
     libs: dict[str, NativeKernels] = {name: load(build(BUILDS[name])) for name in names}
@@ -41,12 +47,15 @@ def main() -> None:
     amx_missing = libs["fma"].native_gemm_missing()
     if amx_missing is None:
         names.append("amx")
+    base = load(args.base_lib) if args.base_lib and amx_missing is None else None
+    if base is not None:
+        names.append("amx base")
     print(f"paths: {paths}; amx: {amx_missing or 'yes'}")
     generator = torch.Generator().manual_seed(0)
-    amx_column = " | fma / amx |" if "amx" in names else " |"
+    amx_column = (" | fma / amx" if "amx" in names else "") + (" | base / amx" if base else "") + " |"
     columns = " | ".join(f"{n} ms" for n in names)
     print(f"| threads | weight | M | {columns} | vdpbf16ps / fma{amx_column}")
-    print("|---|---|---|" + "---|" * (len(names) + 1 + ("amx" in names)))
+    print("|---|---|---|" + "---|" * (len(names) + 1 + ("amx" in names) + (base is not None)))
     for threads in args.threads:
         torch.set_num_threads(threads)
         for shape_name, (n, k) in SHAPES.items():
@@ -62,10 +71,15 @@ def main() -> None:
                     fns["amx"] = functools.partial(
                         libs["fma"].gemm_bf16, x, packed["fma"], n, None, torch.bfloat16, native=True
                     )
+                if base is not None:  # the same packed weight: the layout is the portable GEMM's
+                    fns["amx base"] = functools.partial(
+                        base.gemm_bf16, x, packed["fma"], n, None, torch.bfloat16, native=True
+                    )
                 times = best_times(fns, args.rounds)  # ms
                 cells = " | ".join(f"{times[name]:.2f}" for name in names)
                 ratio = times["vdpbf16ps"] / times["fma"]
                 amx_ratio = f" {times['fma'] / times['amx']:.2f}x |" if "amx" in names else ""
+                amx_ratio += f" {times['amx base'] / times['amx']:.2f}x |" if base else ""
                 row = f"| {threads} | {shape_name} {n}x{k} | {m} | {cells} | {ratio:.2f}x |{amx_ratio}"
                 print(row, flush=True)
 

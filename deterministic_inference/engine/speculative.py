@@ -118,19 +118,6 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def propose_ngram(tokens: list[int], max_draft: int, lookup_min: int, lookup_max: int) -> list[int]:
-    """Up to `max_draft` tokens that followed the most recent earlier occurrence of the longest suffix
-    n-gram of `tokens` (n in [lookup_min, lookup_max]); [] when none occurs or max_draft < 1."""
-    count = len(tokens)
-    if max_draft < 1 or count < lookup_min + 1:
-        return []
-    for n in range(min(lookup_max, count - 1), lookup_min - 1, -1):
-        start = _latest_start_by_scan(tokens, n)
-        if start is not None:
-            return _continuation(tokens, start + n, max_draft)
-    return []
-
-
 _GRAM_MASK = (1 << 64) - 1
 _GRAM_MULTIPLIER = 0x9E3779B97F4A7C15  # odd: keys are sum_j token_j * M^j mod 2^64
 
@@ -157,15 +144,15 @@ def _gram_key(gram: list[int]) -> int:
 
 class NgramIndex:
     """One sequence's n-grams (n in [lookup_min, lookup_max]) by key, each key mapped to the latest start
-    of a gram with that key, indexed as the sequence grows: `propose` answers exactly as `propose_ngram`
-    on the same tokens, in a few dictionary lookups instead of a scan of every window (~1.5 ms per step
-    at 6k tokens of context). A 6k-token prompt is indexed in a few ms (numpy), once.
+    of a gram with that key, indexed as the sequence grows. `propose` drafts what the module docstring
+    defines, in a few dictionary lookups instead of a scan of every window (~1.5 ms per step at 6k tokens
+    of context; tests compare it with that scan). A 6k-token prompt is indexed in a few ms (numpy), once.
 
-    Exact: propose_ngram's match for size n is the largest start i <= len - 1 - n whose window equals the
-    suffix. Those windows are indexed in ascending order, so a later start overwrites. No entry for the
-    suffix's key: no window equals it. An entry whose window equals the suffix: the latest such window
-    (a later equal one would have overwritten it). An entry whose window differs (two grams with one key):
-    that size falls back to the scan. Decides work, never a sample."""
+    Exact: the match for size n is the largest start i <= len - 1 - n whose window equals the suffix.
+    Those windows are indexed in ascending order, so a later start overwrites. No entry for the suffix's
+    key: no window equals it. An entry whose window equals the suffix: the latest such window (a later
+    equal one would have overwritten it). An entry whose window differs (two grams with one key): that
+    size falls back to the scan. Decides work, never a sample."""
 
     def __init__(self, lookup_min: int, lookup_max: int) -> None:
         self._sizes = range(lookup_min, lookup_max + 1)
@@ -173,7 +160,9 @@ class NgramIndex:
         self._count = 0  # the token count the index is complete for
 
     def propose(self, tokens: list[int], max_draft: int, lookup_min: int) -> list[int]:
-        """`propose_ngram(tokens, max_draft, lookup_min, lookup_max)`, lookup_min within the index's."""
+        """Up to `max_draft` tokens that followed the most recent earlier occurrence of the longest suffix
+        n-gram of `tokens` (n in [lookup_min, the index's lookup_max]; lookup_min within the index's
+        range); [] when none occurs or max_draft < 1."""
         count = len(tokens)
         if max_draft < 1 or count < lookup_min + 1:
             return []

@@ -21,7 +21,7 @@ from deterministic_inference.engine import spec_verify
 from deterministic_inference.engine.engine import Engine
 from deterministic_inference.engine.model_runner import ModelRunnerOutput, SampledToken
 from deterministic_inference.engine.sampling_params import SamplingParams
-from deterministic_inference.engine.speculative import DraftLength, SpeculativeConfig, propose_ngram
+from deterministic_inference.engine.speculative import DraftLength, NgramIndex, SpeculativeConfig
 from deterministic_inference.errors import ConfigError
 from deterministic_inference.model.loader import LoadedModel, load_model
 from deterministic_inference.ops.logprobs import log_softmax_rows
@@ -108,13 +108,18 @@ def accepted(engine: Engine) -> int:
 # -- the proposer and the settings -------------------------------------------------------------------
 
 
+def _propose(tokens: list[int], max_draft: int, lookup_min: int, lookup_max: int) -> list[int]:
+    """The scheduler's proposer (a fresh index) on `tokens`."""
+    return NgramIndex(lookup_min, lookup_max).propose(tokens, max_draft, lookup_min)
+
+
 def test_ngram_proposer_continues_the_most_recent_match() -> None:
-    assert propose_ngram([1, 2, 3, 9, 1, 2], 3, 1, 3) == [3, 9, 1]
-    assert propose_ngram([1, 2, 3, 1, 2, 4, 1, 2], 2, 1, 3) == [4, 1]  # the most recent "1 2"
-    assert propose_ngram([5, 5, 5], 4, 1, 2) == [5, 5, 5, 5]  # a repetition goes on with its period
-    assert propose_ngram([1, 2, 3, 4], 3, 1, 3) == []  # no earlier occurrence
-    assert propose_ngram([1, 2, 1, 2], 0, 1, 3) == []
-    assert propose_ngram([1, 2, 9, 2], 2, 2, 3) == []  # a 1-gram would match, but min is 2
+    assert _propose([1, 2, 3, 9, 1, 2], 3, 1, 3) == [3, 9, 1]
+    assert _propose([1, 2, 3, 1, 2, 4, 1, 2], 2, 1, 3) == [4, 1]  # the most recent "1 2"
+    assert _propose([5, 5, 5], 4, 1, 2) == [5, 5, 5, 5]  # a repetition goes on with its period
+    assert _propose([1, 2, 3, 4], 3, 1, 3) == []  # no earlier occurrence
+    assert _propose([1, 2, 1, 2], 0, 1, 3) == []
+    assert _propose([1, 2, 9, 2], 2, 2, 3) == []  # a 1-gram would match, but min is 2
 
 
 @pytest.mark.parametrize(
@@ -177,8 +182,9 @@ def test_speculative_rollback_on_a_q8_kv_cache_equals_plain(tiny32_loaded: Loade
 def test_speculative_in_mixed_batches_equals_plain(tiny_loaded: LoadedModel, params: SamplingParams) -> None:
     """Speculating and plain rows share steps (a plain-decoding neighbour at T=0.7 without drafts in
     the first engine): chunked prefill (budget 7), preemption (a small pool of small blocks)."""
-    assert_mixed_batches_equal_plain(tiny_loaded, copy_heavy_prompts(tiny_loaded.spec.vocab_size, 10, seed=2),
-                                     params, NGRAM)
+    assert_mixed_batches_equal_plain(
+        tiny_loaded, copy_heavy_prompts(tiny_loaded.spec.vocab_size, 10, seed=2), params, NGRAM
+    )
 
 
 def assert_mixed_batches_equal_plain(

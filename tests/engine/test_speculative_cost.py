@@ -21,9 +21,10 @@ from deterministic_inference.engine.speculative import (
     DraftLength,
     NgramIndex,
     SpeculativeConfig,
+    _continuation,
+    _latest_start_by_scan,
     affordable_length,
     break_even_rate,
-    propose_ngram,
 )
 from deterministic_inference.model.loader import LoadedModel
 from tests.engine.test_speculative import copy_heavy_prompts, run, tiny_loaded  # noqa: F401 - fixture
@@ -159,6 +160,18 @@ def test_probes_draft_only_from_a_long_match() -> None:
     assert first_decode_drafts(two_gram) == [0] * 32
     assert first_decode_drafts(three_gram) == [1] * 32
     assert first_decode_drafts(two_gram[:1]) == [3]
+
+
+def propose_ngram(tokens: list[int], max_draft: int, lookup_min: int, lookup_max: int) -> list[int]:
+    """The reference proposer: the plain scan of every window for each n, longest first (what NgramIndex
+    must answer on every call)."""
+    if max_draft < 1 or len(tokens) < lookup_min + 1:
+        return []
+    for n in range(min(lookup_max, len(tokens) - 1), lookup_min - 1, -1):
+        start = _latest_start_by_scan(tokens, n)
+        if start is not None:
+            return _continuation(tokens, start + n, max_draft)
+    return []
 
 
 class _FirstStartIndex(NgramIndex):

@@ -117,33 +117,61 @@ static void amx_rows16(const amx_operands *op, int64_t t, int64_t b0, int nb, fl
     if (nb > 3) _tile_stored(3, tile + 3 * LANES, stride);
 }
 
-/* 32 rows (row tiles t, t + 1) x up to 2 blocks from b0: C tiles 2i + j; A tiles 4, 5; B tiles 6, 7. */
-static void amx_rows32(const amx_operands *op, int64_t t, int64_t b0, int nb, float *tile) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t s = 0; s < op->steps; s++) {
-        amx_prefetch_b(op, b0, s);
-        if (nb > 1) amx_prefetch_b(op, b0 + 1, s);
+/* Row tiles t, t + two x blocks b0, b0 + nb - 1 (two, nb - 1 in {0, 1}; a missing partner repeats its
+   neighbour, and its sums land in columns or rows the caller never reads) over K steps [s0, s1): the
+   accumulators start at zero (s0 == 0) or at the fp32 sums a previous chunk left in acc, and are stored
+   to acc (row stride acc_stride bytes). The small calls' path runs it over all of K (s0 = 0, s1 = steps,
+   with B prefetch); the chunked path chunk by chunk (gemm_amx_chunked.h). C tiles 2i + j; A tiles 4, 5;
+   B tiles 6, 7. */
+static void amx_block22(const amx_operands *op, int64_t t, int two, int64_t b0, int nb, int64_t s0, int64_t s1,
+                        float *acc, int acc_stride, int prefetch) {
+    float *acc1 = acc + AMX_TILE_ROWS * (acc_stride / (int)sizeof(float));
+#if defined(DETINF_TEST_AMX_CHUNK_SUMS) /* negative control: every chunk from zero, added to acc in fp32 */
+    const int from_zero = 1;
+#else
+    const int from_zero = s0 == 0;
+#endif
+    if (from_zero) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        _tile_loadd(0, acc, acc_stride);
+        _tile_loadd(1, acc + LANES, acc_stride);
+        _tile_loadd(2, acc1, acc_stride);
+        _tile_loadd(3, acc1 + LANES, acc_stride);
+    }
+    for (int64_t s = s0; s < s1; s++) {
+        if (prefetch) {
+            amx_prefetch_b(op, b0, s);
+            if (nb > 1) amx_prefetch_b(op, b0 + 1, s);
+        }
         _tile_loadd(4, amx_a(op, t, s), 64);
-        _tile_loadd(5, amx_a(op, t + 1, s), 64);
+        _tile_loadd(5, amx_a(op, t + two, s), 64);
         _tile_loadd(6, amx_b(op, b0, s), 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(2, 5, 6);
-        if (nb > 1) {
-            _tile_loadd(7, amx_b(op, b0 + 1, s), 64);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
-        }
+        _tile_loadd(7, amx_b(op, b0 + nb - 1, s), 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
     }
-    const int stride = PANEL_COLS * (int)sizeof(float);
-    _tile_stored(0, tile, stride);
-    _tile_stored(2, tile + AMX_TILE_ROWS * PANEL_COLS, stride);
-    if (nb > 1) {
-        _tile_stored(1, tile + LANES, stride);
-        _tile_stored(3, tile + AMX_TILE_ROWS * PANEL_COLS + LANES, stride);
-    }
+#if defined(DETINF_TEST_AMX_CHUNK_SUMS)
+    float part[2 * AMX_TILE_ROWS * 2 * LANES];
+    const int part_stride = 2 * LANES * (int)sizeof(float), cols = acc_stride / (int)sizeof(float);
+    _tile_stored(0, part, part_stride);
+    _tile_stored(1, part + LANES, part_stride);
+    _tile_stored(2, part + AMX_TILE_ROWS * 2 * LANES, part_stride);
+    _tile_stored(3, part + AMX_TILE_ROWS * 2 * LANES + LANES, part_stride);
+    for (int r = 0; r < 2 * AMX_TILE_ROWS; r++)
+        for (int c = 0; c < 2 * LANES; c++)
+            acc[r * cols + c] = (s0 == 0 ? 0.0f : acc[r * cols + c]) + part[r * 2 * LANES + c];
+#else
+    _tile_stored(0, acc, acc_stride);
+    _tile_stored(1, acc + LANES, acc_stride);
+    _tile_stored(2, acc1, acc_stride);
+    _tile_stored(3, acc1 + LANES, acc_stride);
+#endif
 }
 
 #if defined(DETINF_TEST_AMX_SPLIT_K)
@@ -189,7 +217,7 @@ static void amx_panel(const amx_operands *op, int64_t m, int64_t row_tiles, int6
                     amx_split_k(op, tt, b0 + bb + j, split_parts,
                                 tile + (tt - t) * AMX_TILE_ROWS * PANEL_COLS + j * LANES);
 #else
-            if (two) amx_rows32(op, t, b0 + bb, nb, tile);
+            if (two) amx_block22(op, t, 1, b0 + bb, nb, 0, op->steps, tile, PANEL_COLS * (int)sizeof(float), 1);
             else amx_rows16(op, t, b0 + bb, nb, tile);
 #endif
             store_tile(tile, (int)rows, r0, c0, cols, n, bias, out, out_bf16);

@@ -6,8 +6,8 @@
    Why the bits equal the small calls' path (gemm_amx.h, tested across the switch): an accumulator tile is
    zeroed at the first chunk, stored to `acc` as fp32 after each chunk and loaded back for the next one; a
    tile store and load move its 32-bit words unchanged, so each accumulator sees one TDPBF16PS per K step
-   in ascending order from zero, the same sequence as in one pass. Included by gemm_amx.h after its
-   operands and tile helpers. */
+   in ascending order from zero, the same sequence as in one pass: the small calls' path runs the same
+   2 x 2 tile kernel (gemm_amx.h's amx_block22) over all of K at once. Included by gemm_amx.h after it. */
 
 #ifndef DETINF_GEMM_AMX_CHUNKED_H
 #define DETINF_GEMM_AMX_CHUNKED_H
@@ -16,56 +16,6 @@
    blocks rounded up to even (the odd last block's unread partner). */
 static size_t amx_chunk_sums_floats(int64_t row_tiles, int panel_blocks) {
     return (size_t)((row_tiles + 1) * AMX_TILE_ROWS) * (size_t)(((panel_blocks + 1) & ~1) * LANES);
-}
-
-/* Accumulators of row tiles t, t + two x blocks b0, b0 + nb - 1 (two, nb - 1 in {0, 1}; a missing partner
-   repeats its neighbour and lands in acc's unread margin) over K steps [s0, s1): zeroed when s0 == 0, else
-   loaded from acc; stored back to acc. C tiles 2i + j; A tiles 4, 5; B tiles 6, 7. */
-static void amx_chunk22(const amx_operands *op, int64_t t, int two, int64_t b0, int nb, int64_t s0, int64_t s1,
-                        float *acc, int acc_stride) {
-    float *acc1 = acc + AMX_TILE_ROWS * (acc_stride / (int)sizeof(float));
-#if defined(DETINF_TEST_AMX_CHUNK_SUMS) /* negative control: every chunk from zero, added to acc in fp32 */
-    const int from_zero = 1;
-#else
-    const int from_zero = s0 == 0;
-#endif
-    if (from_zero) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-    } else {
-        _tile_loadd(0, acc, acc_stride);
-        _tile_loadd(1, acc + LANES, acc_stride);
-        _tile_loadd(2, acc1, acc_stride);
-        _tile_loadd(3, acc1 + LANES, acc_stride);
-    }
-    for (int64_t s = s0; s < s1; s++) {
-        _tile_loadd(4, amx_a(op, t, s), 64);
-        _tile_loadd(5, amx_a(op, t + two, s), 64);
-        _tile_loadd(6, amx_b(op, b0, s), 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_loadd(7, amx_b(op, b0 + nb - 1, s), 64);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(3, 5, 7);
-    }
-#if defined(DETINF_TEST_AMX_CHUNK_SUMS)
-    float part[2 * AMX_TILE_ROWS * 2 * LANES];
-    const int part_stride = 2 * LANES * (int)sizeof(float), cols = acc_stride / (int)sizeof(float);
-    _tile_stored(0, part, part_stride);
-    _tile_stored(1, part + LANES, part_stride);
-    _tile_stored(2, part + AMX_TILE_ROWS * 2 * LANES, part_stride);
-    _tile_stored(3, part + AMX_TILE_ROWS * 2 * LANES + LANES, part_stride);
-    for (int r = 0; r < 2 * AMX_TILE_ROWS; r++)
-        for (int c = 0; c < 2 * LANES; c++)
-            acc[r * cols + c] = (s0 == 0 ? 0.0f : acc[r * cols + c]) + part[r * 2 * LANES + c];
-#else
-    _tile_stored(0, acc, acc_stride);
-    _tile_stored(1, acc + LANES, acc_stride);
-    _tile_stored(2, acc1, acc_stride);
-    _tile_stored(3, acc1 + LANES, acc_stride);
-#endif
 }
 
 /* A panel of B blocks from b0 for every row tile, K in chunks (for each chunk: row pairs x block pairs),
@@ -77,8 +27,8 @@ static void amx_chunked_panel(const amx_operands *op, int64_t m, int64_t row_til
         const int64_t s1 = op->steps - s0 < AMX_CHUNK_STEPS ? op->steps : s0 + AMX_CHUNK_STEPS;
         for (int64_t t = 0; t < row_tiles; t += 2)
             for (int g = 0; g < B; g += 2)
-                amx_chunk22(op, t, t + 1 < row_tiles, b0 + g, B - g < 2 ? 1 : 2, s0, s1,
-                            acc + t * AMX_TILE_ROWS * acc_cols + g * LANES, acc_stride);
+                amx_block22(op, t, t + 1 < row_tiles, b0 + g, B - g < 2 ? 1 : 2, s0, s1,
+                            acc + t * AMX_TILE_ROWS * acc_cols + g * LANES, acc_stride, 0);
     }
     float tile[AMX_TILE_ROWS * PANEL_COLS] __attribute__((aligned(64)));
     for (int64_t t = 0; t < row_tiles; t++) {

@@ -97,8 +97,25 @@ static inline float exp_in_range(float x) {
     return p * scale;
 }
 
-#if defined(__AVX512F__) && !defined(DETINF_TEST_SEPARATE_STEPS)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+
+/* The first min(left, 16) lanes of a 16-lane operation (a row's tail under a mask). */
+static inline __mmask16 lane_mask16(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+}
+
+/* f32_to_bf16 of 16 lanes (round to nearest even, a NaN to 0x7FC0), in the low 16 bits of each lane. */
+static inline __m512i bf16_bits16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(rounded, 16), _mm512_set1_epi32(0x7FC0));
+}
+#endif
+
+#if defined(__AVX512F__) && !defined(DETINF_TEST_SEPARATE_STEPS)
 
 /* exp_in_range of 16 lanes, each lane exactly its operations: the same fused multiply-adds, the
    truncation of the integer-valued n, and p * 2^n (VSCALEFPS rounds the exact product p * 2^n once, as

@@ -270,11 +270,14 @@ static int gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t
     const int parallel = m * n * k >= (int64_t)1 << 20, threads = parallel ? omp_get_max_threads() : 1;
     const int panel_blocks = amx_panel_blocks(chunked, blocks, threads);
     amx_operands op = {NULL, steps, pairs / AMX_STEP_PAIRS, pairs, pairs * 32, packed, NULL};
+    const size_t acc_floats = chunked ? amx_chunk_sums_floats(row_tiles, panel_blocks) : 0;
     uint16_t *xa = aligned_alloc(64, xa_bytes);
     uint16_t *tails = op.full_steps < steps ? malloc((size_t)(blocks * AMX_TILE_BYTES)) : NULL;
-    if (!xa || (op.full_steps < steps && !tails)) {
+    float *acc = chunked ? aligned_alloc(64, (size_t)threads * acc_floats * sizeof(float)) : NULL;
+    if (!xa || (op.full_steps < steps && !tails) || (chunked && !acc)) {
         free(xa);
         free(tails);
+        free(acc);
         return -1;
     }
     amx_pad_rows(x, m, k, row_tiles, steps, xa);
@@ -282,13 +285,6 @@ static int gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t
     op.xa = xa;
     op.tails = tails;
     const int64_t panels = (blocks + panel_blocks - 1) / panel_blocks;
-    const size_t acc_floats = chunked ? amx_chunk_sums_floats(row_tiles, panel_blocks) : 0;
-    float *acc = chunked ? aligned_alloc(64, (size_t)threads * acc_floats * sizeof(float)) : NULL;
-    if (chunked && !acc) {
-        free(xa);
-        free(tails);
-        return -1;
-    }
     const int split_parts = omp_get_max_threads(); /* the negative control's parts only */
 #pragma omp parallel if (parallel) num_threads(threads)
     {

@@ -55,7 +55,7 @@ static int workspace_alloc(workspace *ws, int64_t m) {
 #if defined(DETINF_Q_AVX512)
 /* 16 columns of one row (the first `cols` of them): the scalar loop's operations, lane by lane. */
 INLINE void store16(const gemm_call *call, const float *acc, int64_t at, int64_t bias_at, int64_t cols) {
-    const __mmask16 keep = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1u);
+    const __mmask16 keep = lane_mask16(cols);
     __m512 value = _mm512_loadu_ps(acc);
     if (call->bias) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(keep, call->bias + bias_at));
     value = _mm512_mask_mov_ps(value, _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q),
@@ -64,10 +64,7 @@ INLINE void store16(const gemm_call *call, const float *acc, int64_t at, int64_t
         _mm512_mask_storeu_ps((float *)call->out + at, keep, value);
         return;
     }
-    const __m512i bits = _mm512_castps_si512(value); /* f32_to_bf16: NaN is already 0x7FC00000 */
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-    _mm256_mask_storeu_epi16((uint16_t *)call->out + at, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+    _mm256_mask_storeu_epi16((uint16_t *)call->out + at, keep, _mm512_cvtepi32_epi16(bf16_bits16(value)));
 }
 #endif
 

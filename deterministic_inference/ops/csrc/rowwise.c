@@ -37,19 +37,9 @@ static inline void store_act(void *base, int64_t i, float value, int bf16) {
    multiplies), the 16 lane sums kept in one register, tails under a mask. So the bits are the scalar
    loops'; the tests compare builds with and without AVX-512. (SiLU gains nothing from this: the
    compiler's 512-bit loop is as fast, bound by the divides.) */
-static inline __mmask16 row_mask(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u); }
-
 static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 live) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-/* f32_to_bf16 of 16 lanes, in the low 16 bits of each 32-bit lane */
-static inline __m512i bf16_bits16(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
-    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7FC0));
 }
 
 static inline __m512 round_bf16x16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
@@ -63,7 +53,7 @@ static void add_rms_norm_row_bf16(uint16_t *hidden, const uint16_t *delta, const
                                   int64_t width, float eps) {
     __m512 lanes = _mm512_setzero_ps();
     for (int64_t i = 0; i < width; i += 16) {
-        const __mmask16 live = row_mask(width - i);
+        const __mmask16 live = lane_mask16(width - i);
         __m512 x = load_bf16x16(hidden + i, live);
         if (delta != NULL) {
             x = round_bf16x16(_mm512_add_ps(x, load_bf16x16(delta + i, live)));
@@ -75,7 +65,7 @@ static void add_rms_norm_row_bf16(uint16_t *hidden, const uint16_t *delta, const
     _mm512_storeu_ps(sums, lanes);
     const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(lane_tree(sums) / (float)width + eps));
     for (int64_t j = 0; j < width; j += 16) {
-        const __mmask16 live = row_mask(width - j);
+        const __mmask16 live = lane_mask16(width - j);
         const __m512 normed = round_bf16x16(_mm512_mul_ps(load_bf16x16(hidden + j, live), inv));
         store_bf16x16(out + j, _mm512_mul_ps(load_bf16x16(weight + j, live), normed), live);
     }

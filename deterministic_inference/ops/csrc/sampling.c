@@ -71,13 +71,11 @@ INLINE float exp_sum_scalar(const float *x, int64_t n, float max, float *out, in
    `value > lane ? value : lane`, pm_expf16 for pm_expf, one add per term), then the same scalar
    reductions of the 16 lanes. So their bits are the scalar loops'; the tests compare builds with and
    without AVX-512. */
-static inline __mmask16 tail_mask(int64_t left) { return (__mmask16)((1u << left) - 1u); }
-
 INLINE float row_max(const float *x, int64_t n, int *has_nan) {
     __m512 lanes = _mm512_set1_ps(-INFINITY);
     __mmask16 nan = 0;
     for (int64_t base = 0; base < n; base += LANES) {
-        const __mmask16 live = n - base >= LANES ? (__mmask16)0xFFFF : tail_mask(n - base);
+        const __mmask16 live = lane_mask16(n - base);
         const __m512 value = _mm512_maskz_loadu_ps(live, x + base);
         const __mmask16 greater = _mm512_mask_cmp_ps_mask(live, value, lanes, _CMP_GT_OQ);
         lanes = _mm512_mask_blend_ps(greater, lanes, value);
@@ -109,7 +107,7 @@ INLINE float exp_sum(const float *x, int64_t n, float max, float *out, int store
     const __m512 shift = _mm512_set1_ps(max);
     __m512 lanes = _mm512_setzero_ps();
     for (int64_t base = 0; base < n; base += LANES) {
-        const __mmask16 live = n - base >= LANES ? (__mmask16)0xFFFF : tail_mask(n - base);
+        const __mmask16 live = lane_mask16(n - base);
         const __m512 terms = pm_expf16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, x + base), shift));
         lanes = _mm512_mask_add_ps(lanes, live, lanes, terms);
         if (store) _mm512_mask_storeu_ps(out + base, live, terms);
@@ -124,7 +122,7 @@ INLINE int64_t first_max(const float *x, int64_t n, float max) {
     const __m512 target = _mm512_set1_ps(max);
     for (int64_t base = 0; base < n - 1; base += LANES) {
         const int64_t left = n - 1 - base;
-        const __mmask16 live = left >= LANES ? (__mmask16)0xFFFF : tail_mask(left);
+        const __mmask16 live = lane_mask16(left);
         const __mmask16 equal = _mm512_mask_cmp_ps_mask(live, _mm512_maskz_loadu_ps(live, x + base), target, _CMP_EQ_OQ);
         if (equal) return base + __builtin_ctz(equal);
     }

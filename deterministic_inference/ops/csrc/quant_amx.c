@@ -110,40 +110,36 @@ INLINE void unit_sums(const xquant *xq, int64_t first, int64_t u0, int64_t uu, c
    rounding mode; the plain conversion can read its operand from memory. */
 INLINE __m512 exact_float(const int32_t *sums) { return _mm512_cvtepi32_ps(_mm512_load_si512(sums)); }
 
-/* acc [16 rows][32] += unit uu's block of quant.h's sequence from its stored sums [2][16 rows][16]: for each
-   (row, half) one product of the scales, one conversion and one fused multiply-add (Q4_1, Q5_1: one
-   more product and fused multiply-add for the min term); the running sums are read and written in
-   memory (L1), as there are 32 of them. MIN, H literal. */
-INLINE void scale_unit(const int MIN, const int H, const xquant *xq, int64_t first, int64_t u, int64_t uu,
-                       const qpanel *p, const int32_t *sums, float *acc) {
+/* acc [16 rows][32] += unit uu's block of quant.h's sequence from its stored sums [2][16 rows][16], for the
+   formats without a min term (Q4_1 / Q5_1 take tile_rows_min): for each (row, half) one product of the
+   scales, one conversion and one fused multiply-add; the running sums are read and written in memory
+   (L1), as there are 32 of them. H literal. */
+INLINE void scale_unit(const int H, const xquant *xq, int64_t first, int64_t u, int64_t uu, const qpanel *p,
+                       const int32_t *sums, float *acc) {
     const int64_t blocks = xq->k / UNIT;
-    __m512 dw[2], mw[2];
-    for (int h = 0; h < H; h++) {
-        dw[h] = _mm512_loadu_ps(p[h].d + uu * QCOLS);
-        if (MIN) mw[h] = _mm512_loadu_ps(p[h].m + uu * QCOLS);
-    }
-    const float *dx = xq->d + first * blocks + u, *sf = xq->sf + first * blocks + u;
+    __m512 dw[2];
+    for (int h = 0; h < H; h++) dw[h] = _mm512_loadu_ps(p[h].d + uu * QCOLS);
+    const float *dx = xq->d + first * blocks + u;
     for (int r = 0; r < AMX_ROWS; r++) {
         for (int h = 0; h < H; h++) {
             float *out = acc + r * ACC_COLS + h * QCOLS;
             const __m512 scale = _mm512_mul_ps(dw[h], _mm512_set1_ps(dx[r * blocks]));
-            __m512 f = _mm512_fmadd_ps(scale, exact_float(sums + (h * AMX_ROWS + r) * QCOLS), _mm512_load_ps(out));
-            if (MIN) f = _mm512_fmadd_ps(_mm512_mul_ps(mw[h], _mm512_set1_ps(dx[r * blocks])),
-                                         _mm512_set1_ps(sf[r * blocks]), f);
+            const __m512 f = _mm512_fmadd_ps(scale, exact_float(sums + (h * AMX_ROWS + r) * QCOLS), _mm512_load_ps(out));
             _mm512_store_ps(out, f);
         }
     }
 }
 
-/* Rows [first, first + 16) over the chunk: unit uu + 1's tile products are issued just before unit uu's
-   sums are scaled, so the tile unit and the vector units work side by side. MIN, H literal. */
-INLINE void tile_rows(const int MIN, const int H, const xquant *xq, int64_t first, int64_t u0, int64_t units,
-                      const qpanel *p, float *acc) {
+/* Rows [first, first + 16) over the chunk, formats without a min term: unit uu + 1's tile products are
+   issued just before unit uu's sums are scaled, so the tile unit and the vector units work side by side.
+   H literal. */
+INLINE void tile_rows(const int H, const xquant *xq, int64_t first, int64_t u0, int64_t units, const qpanel *p,
+                      float *acc) {
     int32_t sums[2][TILE_SUMS] __attribute__((aligned(64)));
     unit_sums(xq, first, u0, 0, p, H, sums[0]);
     for (int64_t uu = 0; uu < units; uu++) {
         if (uu + 1 < units) unit_sums(xq, first, u0, uu + 1, p, H, sums[(uu + 1) % 2]);
-        scale_unit(MIN, H, xq, first, u0 + uu, uu, p, sums[uu % 2], acc);
+        scale_unit(H, xq, first, u0 + uu, uu, p, sums[uu % 2], acc);
     }
 }
 
@@ -203,8 +199,8 @@ void amx_rows(int64_t format, const xquant *xq, int64_t r0, int64_t tiles, int64
         float *tile_acc = acc + t * AMX_ROWS * ACC_COLS;
         if (min && halves == 2) tile_rows_min(2, xq, first, u0, units, p, tile_acc);
         else if (min) tile_rows_min(1, xq, first, u0, units, p, tile_acc);
-        else if (halves == 2) tile_rows(0, 2, xq, first, u0, units, p, tile_acc);
-        else tile_rows(0, 1, xq, first, u0, units, p, tile_acc);
+        else if (halves == 2) tile_rows(2, xq, first, u0, units, p, tile_acc);
+        else tile_rows(1, xq, first, u0, units, p, tile_acc);
     }
 }
 

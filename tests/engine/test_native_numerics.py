@@ -52,6 +52,11 @@ def tiny_loaded(tiny_llama_dir: TinyModel) -> LoadedModel:
     return load_model(str(tiny_llama_dir.path))
 
 
+@pytest.fixture(scope="module")
+def tiny_q8_loaded(tiny_llama_gguf_q8: TinyModel) -> LoadedModel:
+    return load_model(str(tiny_llama_gguf_q8.path))
+
+
 @pytest.fixture
 def restore_threads() -> Iterator[None]:
     before = torch.get_num_threads()
@@ -99,6 +104,26 @@ def test_negative_control_a_ragged_tile_path_is_caught(
     monkeypatch.setattr(backend, "native_kernels", lambda: ragged)
     _, differing, _ = _differing_cases(tiny_loaded, GREEDY)
     assert differing, "a batch-dependent native GEMM gave identical bits everywhere"
+
+
+def test_a_quantized_file_runs_on_the_tiles_with_the_same_invariance(
+    amx: NativeKernels, tiny_q8_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, restore_threads: None
+) -> None:
+    """A Q8_0 GGUF under native numerics: its linears and head are dequantised to bf16 for the tiles (the
+    fingerprint's weight formats say bf16, the embedding stays as stored), and a prompt's bits still do not
+    depend on the batch, its position, chunking, preemption or threads; the ragged-tile build is caught
+    on this file too."""
+    engine = Engine(EngineConfig(dtype="bfloat16", selfcheck=False, **NATIVE), loaded=tiny_q8_loaded)
+    assert engine.model.layers[0].qkv.native_gemm and engine.model.layers[0].qkv.backend == "native"
+    formats = engine.fingerprint["numerics"]["weight_formats"]
+    assert formats["mlp.down_proj.weight"] == "bf16" and formats["model.embed_tokens.weight"] == "q8_0"
+    alone, differing, preempted = _differing_cases(tiny_q8_loaded, GREEDY)
+    assert len(alone.token_ids) == GREEDY.max_tokens and differing == [] and preempted > 0
+    test_builds = cache_dir().parent / "test-builds"
+    ragged = load(build(("-march=native", "-DDETINF_TEST_AMX_RAGGED_OTHER"), test_builds))
+    monkeypatch.setattr(backend, "native_kernels", lambda: ragged)
+    _, differing, _ = _differing_cases(tiny_q8_loaded, GREEDY)
+    assert differing, "a batch-dependent native GEMM gave identical bits on the quantized file"
 
 
 def test_prefix_cache_hits_keep_the_bits(amx: NativeKernels, tiny_loaded: LoadedModel) -> None:

@@ -8,7 +8,20 @@ import torch.nn.functional as F
 
 from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.native import NativeKernels
-from tests.ops.helpers import DTYPES, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, THREADS, VOCAB, row_mismatches
+from deterministic_inference.ops.quant_probe import random_weight
+from deterministic_inference.ops.weights import dense
+from tests.ops.helpers import (
+    DTYPES,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    INTER,
+    KV_HEADS,
+    THREADS,
+    VOCAB,
+    bits,
+    row_mismatches,
+)
 
 LAYER_SHAPES = {  # name: (out_features, in_features)
     "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
@@ -106,3 +119,41 @@ def test_an_invariant_dense_linear_without_kernels_is_refused(dtype: torch.dtype
     M = 1), so there is no invariant linear without the compiled kernels."""
     with pytest.raises(ValueError, match="compiled kernels"):
         _linear("tiny_qkv", dtype, invariant=True)
+
+
+@pytest.fixture
+def amx(kernels: NativeKernels) -> NativeKernels:
+    missing = kernels.native_gemm_missing()
+    if missing is not None:
+        pytest.skip(f"--numerics native cannot run here: {missing}")
+    return kernels
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_native_runs_quantized_weights_on_the_tiles_dequantised_to_bf16(
+    amx: NativeKernels, fmt: str, threads: int
+) -> None:
+    """`--numerics native` on a bf16 model: stacked quantized parts become one bf16 weight (each value
+    dequantised exactly, rounded to bf16 once) on the AMX-BF16 GEMM, bit for bit the linear built on that
+    dense weight, and a row's bits do not depend on the batch; the int8 GEMM's result differs (so the test
+    sees which path ran)."""
+    generator = torch.Generator().manual_seed(11)
+    parts = [random_weight(fmt, rows, 256, generator) for rows in (48, 16)]
+    native = Linear(parts, None, batch_invariant=True, kernels=amx, dtype=torch.bfloat16, native_gemm=True)
+    assert native.backend == "native" and native.native_gemm and native.formats == ("bf16", "bf16")
+    weight = torch.cat([dense(part, torch.float32) for part in parts]).bfloat16()
+    reference = Linear(weight, None, batch_invariant=True, kernels=amx, native_gemm=True)
+    rows = _rows(256, torch.bfloat16)
+    x = torch.randn(37, 256, generator=generator).bfloat16()
+    assert torch.equal(bits(native(x)), bits(reference(x)))
+    assert row_mismatches(native, rows, threads, sizes=(1, 16, 17, 33)) == []
+    quantized = Linear(parts, None, batch_invariant=True, kernels=amx, dtype=torch.bfloat16)
+    assert quantized.backend == "quant" and not torch.equal(bits(quantized(x)), bits(native(x)))
+
+
+def test_native_keeps_quantized_weights_of_an_fp32_model(amx: NativeKernels) -> None:
+    """The tiles take bf16 only: under `--dtype float32` a quantized linear stays on the quantized GEMM."""
+    weight = random_weight("Q8_0", 32, 64, torch.Generator().manual_seed(12))
+    linear = Linear(weight, None, batch_invariant=True, kernels=amx, dtype=torch.float32, native_gemm=True)
+    assert linear.backend == "quant" and not linear.native_gemm

@@ -25,7 +25,11 @@ from bench.bench_ops import best_times
 from deterministic_inference.ops.native import NativeKernels, load
 from deterministic_inference.ops.native_build import build
 
-SHAPES = {"qkv": (3072, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}  # (N, K) of Llama-3.2-1B
+SHAPES = {  # (N, K) of Llama-3.2-1B, and of SmolLM2-135M (the default model under --numerics native)
+    "qkv": (3072, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+    "135M qkv": (960, 576), "135M o": (576, 576), "135M gate_up": (3072, 576), "135M down": (576, 1536),
+    "135M head": (49152, 576),
+}  # fmt: skip
 BUILDS = {
     "fma": ("-march=native", "-DDETINF_TEST_FORCE_FMA_GEMM"),
     "vdpbf16ps": ("-march=native", "-DDETINF_TEST_NO_FMA_GEMM"),
@@ -40,6 +44,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--portable", action="store_true", help="also the portable fmaf loop (slow)")
     parser.add_argument("--base-lib", type=Path, help="another build: its AMX path beside this tree's")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="names of SHAPES (default: all)")
     args = parser.parse_args()
     names = [name for name in BUILDS if args.portable or name != "portable"]
     libs: dict[str, NativeKernels] = {name: load(build(BUILDS[name])) for name in names}
@@ -59,6 +64,8 @@ def main() -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         for shape_name, (n, k) in SHAPES.items():
+            if args.shapes and shape_name not in args.shapes:
+                continue
             w = (torch.randn(n, k, generator=generator) / k**0.5).bfloat16()
             packed = {name: lib.pack_bf16(w) for name, lib in libs.items()}
             for m in args.rows:

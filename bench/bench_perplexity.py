@@ -25,7 +25,9 @@ from bench.llama_cpp_worker import DEFAULT_PYTHON
 TEXT = Path(__file__).with_name("perplexity_text.txt")
 
 
-def our_perplexity(model: str | None, ids: list[int], quantization: str, dtype: str, threads: int) -> float:
+def our_perplexity(
+    model: str | None, ids: list[int], quantization: str, dtype: str, threads: int, numerics: str = "portable"
+) -> float:
     """exp(-mean logprob) of ids[1:] from one prefill of our engine (prompt logprobs)."""
     from deterministic_inference.config import EngineConfig
     from deterministic_inference.engine.engine import Engine
@@ -33,7 +35,7 @@ def our_perplexity(model: str | None, ids: list[int], quantization: str, dtype: 
 
     config = EngineConfig(
         model=model, quantization=quantization, dtype=dtype, threads=threads, selfcheck=False,
-        max_model_len=max(len(ids) + 16, 4096),
+        max_model_len=max(len(ids) + 16, 4096), numerics_mode=numerics,
     )  # fmt: skip
     engine = Engine(config)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
@@ -68,23 +70,28 @@ def main() -> None:
     args = parser.parse_args()
     from deterministic_inference.model.default_model import default_model_path
     from deterministic_inference.model.loader import load_model
+    from deterministic_inference.ops.native import native_kernels
 
     model = args.model or str(default_model_path())
     ids = list(load_model(model).tokenizer.encode(TEXT.read_text()))
     print(f"model {Path(model).name}; text {TEXT.name}: {len(ids)} tokens, {len(ids) - 1} scored")
     print("| implementation | perplexity | vs llama.cpp | seconds |\n|---|---|---|---|")
     rows: list[tuple[str, float, float]] = []
-    for label, quantization, dtype in (
-        ("detinf --quantization none (bf16 weights)", "none", "bfloat16"),
-        ("detinf --quantization none --dtype float32", "none", "float32"),
-        ("detinf --quantization auto (stored blocks, bf16 activations)", "auto", "bfloat16"),
-        ("detinf --quantization auto --dtype float32", "auto", "float32"),
-    ):
+    runs = [
+        ("detinf --quantization none (bf16 weights)", "none", "bfloat16", "portable"),
+        ("detinf --quantization none --dtype float32", "none", "float32", "portable"),
+        ("detinf --quantization auto (stored blocks, bf16 activations)", "auto", "bfloat16", "portable"),
+        ("detinf --quantization auto --dtype float32", "auto", "float32", "portable"),
+    ]
+    if native_kernels().native_gemm_missing() is None:
+        label = "detinf --numerics native (blocks dequantised to bf16, AMX-BF16 tiles)"
+        runs.append((label, "auto", "bfloat16", "native"))
+    for label, quantization, dtype, numerics in runs:
         start = time.perf_counter()
         rows.append(
             (
                 label,
-                our_perplexity(model, ids, quantization, dtype, args.threads),
+                our_perplexity(model, ids, quantization, dtype, args.threads, numerics),
                 time.perf_counter() - start,
             )
         )

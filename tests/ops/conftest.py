@@ -54,6 +54,16 @@ def kernels() -> NativeKernels:
 
 
 @pytest.fixture(scope="session")
+def amx(kernels: NativeKernels) -> NativeKernels:
+    """The engine's build, when this process can run its AMX-BF16 GEMM (`--numerics native`); else the
+    test skips."""
+    missing = kernels.native_gemm_missing()
+    if missing is not None:
+        pytest.skip(f"no AMX-BF16 GEMM here: {missing}")
+    return kernels
+
+
+@pytest.fixture(scope="session")
 def variants(build_dir: Path) -> dict[str, NativeKernels]:
     """Every build below but native, built together (tests/kernel_builds.py) once per session, by -march
     level or test-only flag."""

@@ -37,15 +37,6 @@ NEGATIVE_DEFINES = {
 
 
 @pytest.fixture(scope="module")
-def amx(kernels: NativeKernels) -> NativeKernels:
-    """The engine's build, when this process can run its AMX-BF16 GEMM; else the module skips."""
-    missing = kernels.native_gemm_missing()
-    if missing is not None:
-        pytest.skip(f"no AMX-BF16 GEMM here: {missing}")
-    return kernels
-
-
-@pytest.fixture(scope="module")
 def negative_builds(amx: NativeKernels, build_dir: Path) -> dict[str, NativeKernels]:
     """The two negative controls (test-only -D builds of the native kernels), built together."""
     paths = build_together([((*NATIVE, *defines), build_dir) for defines in NEGATIVE_DEFINES.values()])

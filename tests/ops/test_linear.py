@@ -121,14 +121,6 @@ def test_an_invariant_dense_linear_without_kernels_is_refused(dtype: torch.dtype
         _linear("tiny_qkv", dtype, invariant=True)
 
 
-@pytest.fixture
-def amx(kernels: NativeKernels) -> NativeKernels:
-    missing = kernels.native_gemm_missing()
-    if missing is not None:
-        pytest.skip(f"--numerics native cannot run here: {missing}")
-    return kernels
-
-
 @pytest.mark.parametrize("threads", THREADS)
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_native_runs_quantized_weights_on_the_tiles_dequantised_to_bf16(

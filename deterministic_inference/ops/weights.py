@@ -76,12 +76,14 @@ def dense(weight: StoredWeight, dtype: torch.dtype) -> torch.Tensor:
 
     Dense weights are cast (exact where the cast widens); quantized ones are dequantised bit for bit
     as `gguf.quants.dequantize` does, then cast (the compiled dequantiser, or that numpy function where
-    no C compiler is available: the same bits)."""
+    no C compiler is available: the same bits). For bf16 the compiled dequantiser rounds each fp32 value
+    itself (to nearest even, as the cast does), so no fp32 copy of the matrix is held at load."""
     if isinstance(weight, torch.Tensor):
         return weight.to(dtype)
     blocks, order = quant_part(weight)
     try:
-        values = blocks.dequantize(rows=order, dtype=torch.float32)
+        rounded = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        values = blocks.dequantize(rows=order, dtype=rounded)
     except NativeBuildError:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize

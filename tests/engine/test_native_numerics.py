@@ -68,6 +68,14 @@ def _target(loaded: LoadedModel) -> list[int]:
     return random_prompts(1, loaded.spec.vocab_size, seed=7)[0] + list(range(3, 40))
 
 
+def _use_ragged_tile_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's kernels replaced by the negative-control build whose AMX GEMM sends a call's partial
+    last row tile to the portable path (a row's bits then depend on the batch)."""
+    test_builds = cache_dir().parent / "test-builds"  # tests/ops/conftest.py's directory of test-only builds
+    ragged = load(build(("-march=native", "-DDETINF_TEST_AMX_RAGGED_OTHER"), test_builds))
+    monkeypatch.setattr(backend, "native_kernels", lambda: ragged)
+
+
 def _differing_cases(loaded: LoadedModel, params: SamplingParams) -> tuple[Result, list[Case], int]:
     """The target alone (one thread) under native numerics, the CASES where it differs, preemptions."""
     target = _target(loaded)
@@ -99,9 +107,7 @@ def test_negative_control_a_ragged_tile_path_is_caught(
 ) -> None:
     """The same cases on a GEMM whose partial last row tile takes the portable path: a row's bits then
     depend on the batch, and the cases must see it (else the test above proves nothing)."""
-    test_builds = cache_dir().parent / "test-builds"  # tests/ops/conftest.py's directory of test-only builds
-    ragged = load(build(("-march=native", "-DDETINF_TEST_AMX_RAGGED_OTHER"), test_builds))
-    monkeypatch.setattr(backend, "native_kernels", lambda: ragged)
+    _use_ragged_tile_build(monkeypatch)
     _, differing, _ = _differing_cases(tiny_loaded, GREEDY)
     assert differing, "a batch-dependent native GEMM gave identical bits everywhere"
 
@@ -119,9 +125,7 @@ def test_a_quantized_file_runs_on_the_tiles_with_the_same_invariance(
     assert formats["mlp.down_proj.weight"] == "bf16" and formats["model.embed_tokens.weight"] == "q8_0"
     alone, differing, preempted = _differing_cases(tiny_q8_loaded, GREEDY)
     assert len(alone.token_ids) == GREEDY.max_tokens and differing == [] and preempted > 0
-    test_builds = cache_dir().parent / "test-builds"
-    ragged = load(build(("-march=native", "-DDETINF_TEST_AMX_RAGGED_OTHER"), test_builds))
-    monkeypatch.setattr(backend, "native_kernels", lambda: ragged)
+    _use_ragged_tile_build(monkeypatch)
     _, differing, _ = _differing_cases(tiny_q8_loaded, GREEDY)
     assert differing, "a batch-dependent native GEMM gave identical bits on the quantized file"
 

@@ -227,12 +227,13 @@ static void amx_panel(const amx_operands *op, int64_t m, int64_t row_tiles, int6
 
 #include "gemm_amx_chunked.h" /* the path of large calls (K in chunks, accumulators spilled exactly) */
 
-/* x [m, k] -> xa [row_tiles][steps][16][32], zero padded (rows and K). Denormals are left as they are:
-   TDPBF16PS reads them as zero. */
-static void amx_pad_rows(const uint16_t *x, int64_t m, int64_t k, int64_t row_tiles, int64_t steps,
+/* Row tiles [t0, t1) of x [m, k] -> xa [row_tiles][steps][16][32], zero padded (rows and K). Denormals are
+   left as they are: TDPBF16PS reads them as zero. */
+static void amx_pad_rows(const uint16_t *x, int64_t m, int64_t k, int64_t t0, int64_t t1, int64_t steps,
                          uint16_t *xa) {
-    memset(xa, 0, (size_t)(row_tiles * steps * AMX_A_TILE_ELEMS) * sizeof(uint16_t));
-    for (int64_t r = 0; r < m; r++) {
+    memset(xa + t0 * steps * AMX_A_TILE_ELEMS, 0, (size_t)((t1 - t0) * steps * AMX_A_TILE_ELEMS) * sizeof(uint16_t));
+    const int64_t r1 = t1 * AMX_TILE_ROWS < m ? t1 * AMX_TILE_ROWS : m;
+    for (int64_t r = t0 * AMX_TILE_ROWS; r < r1; r++) {
         uint16_t *row = xa + (r / AMX_TILE_ROWS * steps * AMX_TILE_ROWS + r % AMX_TILE_ROWS) * AMX_K_STEP;
         for (int64_t s = 0; s < steps; s++) {
             const int64_t first = s * AMX_K_STEP, count = k - first < AMX_K_STEP ? k - first : AMX_K_STEP;
@@ -250,12 +251,32 @@ static void amx_copy_tails(const amx_operands *op, int64_t blocks, uint16_t *tai
                (size_t)(count * 64));
 }
 
-/* The panels of a call, shared out between the threads (columns only): 64 columns for small calls, up to
-   AMX_WIDE_BLOCKS blocks for the chunked path, narrower when the threads would otherwise go idle. */
-static int amx_panel_blocks(int chunked, int64_t blocks, int threads) {
-    if (!chunked) return BLOCKS_PER_PANEL;
-    const int64_t even = (blocks + threads - 1) / threads;
-    return even < AMX_WIDE_BLOCKS ? (int)(even < 2 ? 2 : even) : AMX_WIDE_BLOCKS;
+/* Thread `id` of `threads`: its share of the call's column blocks, [*lo, *hi), in whole pairs of blocks and as
+   even as pairs allow (fixed 16-block panels once left one of two threads 32 of the 36 blocks of a call). */
+static void amx_thread_blocks(int64_t blocks, int id, int threads, int64_t *lo, int64_t *hi) {
+    const int64_t pairs = (blocks + 1) / 2;
+    *lo = 2 * (pairs * id / threads);
+    *hi = 2 * (pairs * (id + 1) / threads);
+    if (*hi > blocks) *hi = blocks;
+}
+
+/* One thread's part of a call: pad its share of x's row tiles (then wait for the others: every thread reads
+   every row tile), then compute its blocks panel by panel: 4 blocks for small calls, up to AMX_WIDE_BLOCKS
+   for the chunked path. */
+static void amx_thread_part(const uint16_t *x, int64_t m, int64_t k, const amx_operands *op, int64_t blocks,
+                            int64_t row_tiles, int chunked, int64_t n, const float *bias, void *out, int out_bf16,
+                            float *chunk_sums, int split_parts) {
+    const int id = omp_get_thread_num(), threads = omp_get_num_threads();
+    amx_pad_rows(x, m, k, row_tiles * id / threads, row_tiles * (id + 1) / threads, op->steps, (uint16_t *)op->xa);
+#pragma omp barrier
+    int64_t lo, hi;
+    amx_thread_blocks(blocks, id, threads, &lo, &hi);
+    const int64_t panel_blocks = chunked ? AMX_WIDE_BLOCKS : BLOCKS_PER_PANEL;
+    for (int64_t b0 = lo; b0 < hi; b0 += panel_blocks) {
+        const int B = (int)(hi - b0 < panel_blocks ? hi - b0 : panel_blocks);
+        if (chunked) amx_chunked_panel(op, m, row_tiles, b0, B, n, bias, out, out_bf16, chunk_sums);
+        else amx_panel(op, m, row_tiles, b0, B, n, bias, out, out_bf16, split_parts);
+    }
 }
 
 /* detinf_gemm_bf16's arguments on the AMX tiles. Returns 0, or -1 without touching out when a buffer
@@ -268,9 +289,8 @@ static int gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t
     const size_t xa_bytes = (size_t)(row_tiles * steps * AMX_A_TILE_ELEMS) * sizeof(uint16_t);
     const int chunked = row_tiles >= 2 && xa_bytes > AMX_CHUNKED_MIN_BYTES;
     const int parallel = m * n * k >= (int64_t)1 << 20, threads = parallel ? omp_get_max_threads() : 1;
-    const int panel_blocks = amx_panel_blocks(chunked, blocks, threads);
     amx_operands op = {NULL, steps, pairs / AMX_STEP_PAIRS, pairs, pairs * 32, packed, NULL};
-    const size_t acc_floats = chunked ? amx_chunk_sums_floats(row_tiles, panel_blocks) : 0;
+    const size_t acc_floats = chunked ? amx_chunk_sums_floats(row_tiles, AMX_WIDE_BLOCKS) : 0;
     uint16_t *xa = aligned_alloc(64, xa_bytes);
     uint16_t *tails = op.full_steps < steps ? malloc((size_t)(blocks * AMX_TILE_BYTES)) : NULL;
     float *acc = chunked ? aligned_alloc(64, (size_t)threads * acc_floats * sizeof(float)) : NULL;
@@ -280,23 +300,15 @@ static int gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t
         free(acc);
         return -1;
     }
-    amx_pad_rows(x, m, k, row_tiles, steps, xa);
-    if (tails) amx_copy_tails(&op, blocks, tails);
     op.xa = xa;
     op.tails = tails;
-    const int64_t panels = (blocks + panel_blocks - 1) / panel_blocks;
+    if (tails) amx_copy_tails(&op, blocks, tails);
     const int split_parts = omp_get_max_threads(); /* the negative control's parts only */
 #pragma omp parallel if (parallel) num_threads(threads)
     {
         _tile_loadconfig(&gemm_amx_tiles); /* the tile configuration is per thread */
         float *thread_acc = chunked ? acc + (size_t)omp_get_thread_num() * acc_floats : NULL;
-#pragma omp for schedule(static)
-        for (int64_t j = 0; j < panels; j++) {
-            const int64_t b0 = j * panel_blocks;
-            const int B = (int)(blocks - b0 < panel_blocks ? blocks - b0 : panel_blocks);
-            if (chunked) amx_chunked_panel(&op, m, row_tiles, b0, B, n, bias, out, out_bf16, thread_acc);
-            else amx_panel(&op, m, row_tiles, b0, B, n, bias, out, out_bf16, split_parts);
-        }
+        amx_thread_part(x, m, k, &op, blocks, row_tiles, chunked, n, bias, out, out_bf16, thread_acc, split_parts);
         _tile_release();
     }
     free(acc);

@@ -33,7 +33,8 @@ from deterministic_inference.ops.rope import RotaryTable
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
-LINEAR_QUANT, LINEAR_BF16, LINEAR_BF16_AMX = 1, 2, 3  # csrc/decoder.c (AMX: --numerics native)
+# csrc/decoder.c's linear kinds (the AMX ones: --numerics native)
+LINEAR_QUANT, LINEAR_BF16, LINEAR_BF16_AMX, LINEAR_QUANT_AMX = 1, 2, 3, 4
 # csrc/decoder.c's PHASE_* in order: what `FusedDecoder.phase_seconds` accumulates (bench/profile_engine.py)
 PHASES = (
     "norms", "qkv", "rotary + KV write", "attention", "attention -> bf16", "o_proj", "gate_up", "silu_mul",
@@ -145,18 +146,13 @@ class FusableLayer(Protocol):
 
 def _linear_struct(linear: Linear, model_dtype: torch.dtype) -> _Linear | None:
     """The C descriptor of a kernel-backed linear, or None when it runs on torch (fp32 oneDNN)."""
-    quant = linear.quant_linear
+    quant, kind = linear.quant_linear, LINEAR_QUANT
+    if quant is None and linear.quant_tiles is not None and model_dtype == torch.bfloat16:
+        quant, kind = linear.quant_tiles, LINEAR_QUANT_AMX  # the per-op path's QuantLinear.on_tiles
     if quant is not None:
         table = ctypes.addressof(quant.table)
-        return _Linear(
-            LINEAR_QUANT,
-            table,
-            len(quant.parts),
-            None,
-            quant.bias_pointer,
-            quant.out_features,
-            quant.in_features,
-        )
+        count, bias_at = len(quant.parts), quant.bias_pointer
+        return _Linear(kind, table, count, None, bias_at, quant.out_features, quant.in_features)
     native = linear.native_weight
     if native is None or model_dtype != torch.bfloat16:
         return None

@@ -53,10 +53,11 @@ class Linear:
     `native_gemm` (`--numerics native`): a bf16 linear's GEMM runs on the CPU's AMX-BF16 tiles
     (ops/csrc/gemm_amx.h) on the same packed weight: still invariant in the row count, the row's
     position and the thread count, but with bits fixed per CPU class, not by our source. With `dtype`
-    bf16, quantized parts are then dequantised (exactly, as `dense` does) and rounded to bf16 once, here,
-    so that they run on the tiles too: 2 bytes per weight in memory instead of the format's 0.56-1.06,
-    for the tiles' multiply-adds instead of an int8 product and an fp32 scaling per 32-value block.
-    fp32 linears are unaffected.
+    bf16, quantized parts run on the tiles too, as bf16 weights: the blocks stay as stored and the GEMM
+    dequantises each panel (exactly, as `dense` does, rounded to bf16 once) as it reaches it
+    (`QuantLinear.on_tiles`, ops/csrc/quant_tiles.c), with the bits of dequantising at load; parts that
+    would split one of its 16-column blocks (a part before the last whose rows are not a multiple of 16)
+    are dequantised here instead, with the same bits. fp32 linears are unaffected.
     """
 
     def __init__(
@@ -80,19 +81,25 @@ class Linear:
         self._native: tuple[NativeKernels, torch.Tensor, torch.Tensor | None] | None = None
         self._native_f32: tuple[NativeKernels, torch.Tensor, torch.Tensor | None] | None = None
         self._quant: QuantLinear | None = None
-        # Native numerics on a bf16 model: quantized parts are dequantised to bf16 here, for the tiles.
+        self._quant_tiles: QuantLinear | None = None  # native numerics: blocks dequantised into the tiles
+        # Native numerics on a bf16 model: quantized parts run on the tiles as bf16 (dequantised exactly).
         tiles = native_gemm and dtype == torch.bfloat16
         quantized = all(is_quantized(part) for part in parts)
-        if kernels is not None and batch_invariant and quantized and not tiles:
+        if kernels is not None and batch_invariant and quantized:
             blocks = [quant_part(part) for part in parts]  # type: ignore[arg-type]
-            self._quant = QuantLinear(
+            quant = QuantLinear(
                 kernels, [b for b, _ in blocks], bias=bias, out_dtype=self.out_dtype,
                 row_orders=[order for _, order in blocks],
             )  # fmt: skip
-            self.backend = "quant"
-            self.formats = tuple(stored_format(part) for part in parts)
-            self.out_features, self.in_features = self._quant.out_features, self._quant.in_features
-            return
+            self.out_features, self.in_features = quant.out_features, quant.in_features
+            if not tiles:
+                self._quant, self.backend = quant, "quant"
+                self.formats = tuple(stored_format(part) for part in parts)
+                return
+            if quant.fits_tiles:
+                self._quant_tiles, self.backend, self.native_gemm = quant, "native", True
+                self.formats = (dtype_format(dtype),) * len(parts)  # the tiles' arithmetic: bf16 weights
+                return
         # Dense: every part cast (quantized parts dequantised: the plain backend, or a linear mixing
         # quantized and float parts) and stacked.
         self.formats = (dtype_format(dtype),) * len(parts)
@@ -135,6 +142,11 @@ class Linear:
         return self._quant
 
     @property
+    def quant_tiles(self) -> QuantLinear | None:
+        """The quantized weight native numerics dequantises into the AMX-BF16 tiles, else None."""
+        return self._quant_tiles
+
+    @property
     def native_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(packed bf16 weight, fp32 bias or None) of the native bf16 GEMM (backend "native"), else None."""
         return None if self._native is None else self._native[1:]
@@ -143,6 +155,8 @@ class Linear:
         """x: [M, in] -> [M, out] in `out_dtype`."""
         if self._quant is not None:
             return self._quant(x)
+        if self._quant_tiles is not None:
+            return self._quant_tiles.on_tiles(x)
         if self._native is not None:
             kernels, packed, bias32 = self._native
             return kernels.gemm_bf16(

@@ -34,7 +34,8 @@ from deterministic_inference.errors import DetinfError
 
 _CSRC = Path(__file__).parent / "csrc"
 _QUANT = (  # ops/quant.py, ops/repack.py
-    "act", "unpack", "unpack512", "gemv512", "kernels", "kernels256", "amx", "gemm", "convert", "repack"
+    "act", "unpack", "unpack512", "gemv512", "kernels", "kernels256", "amx", "gemm", "convert", "repack",
+    "tiles",
 )  # fmt: skip
 QUANT_SOURCES = tuple(_CSRC / f"quant_{name}.c" for name in _QUANT)
 # portable numerics (ops/portable.py): the sampler's arithmetic, rotary tables, the fp32 GEMM

@@ -208,6 +208,7 @@ class QuantLinear:
         ]
         self._table = (_Part * len(parts))(*entries)
         self._gemm = _library(kernels).detinf_quant_gemm
+        self._tiles = _library(kernels).detinf_gemm_bf16_amx_quant
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
     def _part_entry(
@@ -243,21 +244,48 @@ class QuantLinear:
 
     def forward_with_flags(self, x: torch.Tensor, flags: int) -> torch.Tensor:
         """__call__ with the C entry point's test hooks (TEST_*: negative controls in tests only)."""
-        if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(
-                f"QuantLinear: x must be bf16 or fp32 [M, {self.in_features}], got {x.dtype} {list(x.shape)}"
-            )
-        x = x.contiguous()
-        rows = x.shape[0]
-        out = torch.empty((rows, self.out_features), dtype=self.out_dtype)
-        if rows:
+        x, out = self._checked(x, (torch.bfloat16, torch.float32))
+        if x.shape[0]:
             status = self._gemm(
-                x.data_ptr(), rows, self.in_features, x.dtype == torch.bfloat16, self._table, len(self.parts),
-                self._bias_ptr, out.data_ptr(), self.out_features, self.out_dtype == torch.bfloat16, flags,
+                x.data_ptr(), x.shape[0], self.in_features, x.dtype == torch.bfloat16, self._table,
+                len(self.parts), self._bias_ptr, out.data_ptr(), self.out_features,
+                self.out_dtype == torch.bfloat16, flags,
             )  # fmt: skip
             if status:
                 raise MemoryError("quantized GEMM could not allocate its work space")
         return out
+
+    @property
+    def fits_tiles(self) -> bool:
+        """Whether `on_tiles` can read these parts: every part but the last a multiple of 16 rows (so that
+        no 16-column block of the AMX-BF16 GEMM spans two parts) and in_features a multiple of 32."""
+        return all(part.shape[0] % 16 == 0 for part in self.parts[:-1]) and self.in_features % 32 == 0
+
+    def on_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] bf16 -> [M, N] in out_dtype on the AMX-BF16 tiles (`--numerics native`), each panel of
+        the blocks dequantised exactly (as `dequantize` does, rounded to bf16) as the GEMM reaches it: the
+        bits of the AMX-BF16 GEMM on the weight dequantised to bf16 at load (ops/csrc/quant_tiles.c), with
+        the blocks kept as stored. Needs `fits_tiles` and a CPU whose AMX-BF16 tiles the kernels can use."""
+        x, out = self._checked(x, (torch.bfloat16,))
+        if x.shape[0]:
+            status = self._tiles(
+                x.data_ptr(), x.shape[0], self.in_features, self._table, len(self.parts), self.out_features,
+                self._bias_ptr, out.data_ptr(), self.out_dtype == torch.bfloat16,
+            )  # fmt: skip
+            if status:
+                raise MemoryError(f"quantized GEMM on the AMX-BF16 tiles failed (status {status})")
+        return out
+
+    def _checked(
+        self, x: torch.Tensor, dtypes: tuple[torch.dtype, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x contiguous, and an empty output [M, N]; ValueError when x is not [M, K] in one of `dtypes`."""
+        if x.dtype not in dtypes or x.dim() != 2 or x.shape[1] != self.in_features:
+            names = " or ".join({torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype] for dtype in dtypes)
+            raise ValueError(
+                f"QuantLinear: x must be {names} [M, {self.in_features}], got {x.dtype} {list(x.shape)}"
+            )
+        return x.contiguous(), torch.empty((x.shape[0], self.out_features), dtype=self.out_dtype)
 
 
 def uses_amx(kernels: NativeKernels) -> bool:
@@ -314,6 +342,10 @@ def _library(kernels: NativeKernels) -> ctypes.CDLL:
         c_int,
         c_int,
     ]
+    library.detinf_gemm_bf16_amx_quant.restype = c_int
+    library.detinf_gemm_bf16_amx_quant.argtypes = [
+        pointer, i64, i64, pointer, i64, i64, pointer, pointer, c_int
+    ]  # fmt: skip
     library.detinf_quant_uses_amx.restype = c_int
     library.detinf_quant_uses_amx.argtypes = []
     library.detinf_dequantize.restype = None

@@ -110,6 +110,30 @@ def test_fused_runs_the_native_gemm_under_native_numerics() -> None:
     assert not same(run_steps(portable, fused=True), per_op)
 
 
+def test_native_numerics_read_a_quantized_file_in_place_with_its_dequantised_bits(
+    tiny_q4_k_m_gguf: Path,
+) -> None:
+    """`--numerics native` on a quantized file (mixed K formats): the linears keep the blocks and dequantise
+    them into the AMX-BF16 tiles; the fused path calls that GEMM (the per-op bits), and the bits are those
+    of the same file loaded with `--quantization none` (every weight dequantised to bf16 at load) on the
+    same tiles. The portable quantized GEMM's bits differ (so the test sees which GEMM ran)."""
+    from deterministic_inference.ops.native import native_kernels
+
+    missing = native_kernels().native_gemm_missing()
+    if missing is not None:
+        pytest.skip(f"--numerics native cannot run here: {missing}")
+    path = str(tiny_q4_k_m_gguf)
+    stored = build_model(load_model(path), EngineConfig(numerics_mode="native"), "bfloat16", 128)
+    assert stored.fused is not None and stored.layers[0].qkv.quant_tiles is not None
+    per_op = run_steps(stored, fused=False)
+    assert same(run_steps(stored, fused=True), per_op)
+    config = EngineConfig(quantization="none", numerics_mode="native")
+    dequantised = build_model(load_model(path, "none"), config, "bfloat16", 128)
+    assert dequantised.layers[0].qkv.quant_tiles is None and dequantised.layers[0].qkv.native_gemm
+    assert same(run_steps(dequantised, fused=True), per_op)
+    assert not same(run_steps(model_of(tiny_q4_k_m_gguf, "bfloat16"), fused=True), per_op)
+
+
 def test_models_the_fast_path_does_not_serve_take_the_per_op_path(
     tiny_qwen3_dir: TinyModel, tiny_qwen2_dir: TinyModel
 ) -> None:

@@ -31,14 +31,14 @@ int detinf_attention(const float *q, const void *k_cache, const void *v_cache, i
                      const int64_t *row_keys, int64_t first_row, int64_t end_row, int64_t heads,
                      int64_t kv_heads, int64_t head_dim, int64_t block, int64_t num_blocks, float scale,
                      float *out, int64_t tile);
-int detinf_quant_gemm(const void *x, int64_t m, int64_t k, int x_bf16, const detinf_qpart *parts, int64_t nparts,
-                      const float *bias, void *out, int64_t n, int out_bf16, int flags);
 void detinf_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                       const float *bias, void *out, int out_bf16);
 int detinf_gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                          const float *bias, void *out, int out_bf16);
+int detinf_gemm_bf16_amx_quant(const uint16_t *x, int64_t m, int64_t k, const detinf_qpart *parts, int64_t nparts,
+                               int64_t n, const float *bias, void *out, int out_bf16);
 
-enum { LINEAR_QUANT = 1, LINEAR_BF16 = 2, LINEAR_BF16_AMX = 3 }; /* AMX: --numerics native (gemm_amx.h) */
+enum { LINEAR_QUANT = 1, LINEAR_BF16 = 2, LINEAR_BF16_AMX = 3, LINEAR_QUANT_AMX = 4 }; /* AMX: --numerics native */
 /* status codes (ops/fused.py raises the per-op path's errors for them) */
 enum { FUSED_OK = 0, FUSED_ROTARY_RANGE = 1, FUSED_ATTENTION_RANGE = 2, FUSED_ATTENTION_MEMORY = 3,
        FUSED_GEMM_MEMORY = 4, FUSED_BAD_LINEAR = 5 };
@@ -112,6 +112,11 @@ static int run_linear(const detinf_linear *linear, const void *x, int64_t m, int
                    : FUSED_OK;
     }
     if (!model_bf16) return FUSED_BAD_LINEAR;
+    if (linear->kind == LINEAR_QUANT_AMX) /* the per-op path's QuantLinear.on_tiles, the same call */
+        return detinf_gemm_bf16_amx_quant((const uint16_t *)x, m, linear->k, linear->parts, linear->nparts, linear->n,
+                                          linear->bias, out, 1)
+                   ? FUSED_GEMM_MEMORY
+                   : FUSED_OK;
     if (linear->kind == LINEAR_BF16_AMX) /* the per-op path's native GEMM, the same call */
         return detinf_gemm_bf16_amx((const uint16_t *)x, m, linear->k, linear->packed, linear->n, linear->bias,
                                     out, 1)

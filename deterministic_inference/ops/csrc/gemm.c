@@ -17,6 +17,7 @@
    with zeros to multiples of 16 and 2. */
 
 #include "common.h"
+#include "quant.h" /* the quantized weights --numerics native dequantises into tiles (gemm_amx.h) */
 
 #define ROWS_PER_TILE 4   /* rows of x computed together (register blocking) */
 #define BLOCKS_PER_PANEL 4 /* 16-column blocks per panel: a panel is 64 output columns */
@@ -213,9 +214,37 @@ int detinf_gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t
     }
     if (m == 0) return 0;
 #endif
-    return gemm_bf16_amx(x, m, k, packed, n, bias, out, out_bf16) == 0 ? 0 : 3;
+    return gemm_bf16_amx(x, m, k, packed, NULL, n, bias, out, out_bf16) == 0 ? 0 : 3;
 #else
     (void)x, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)out, (void)out_bf16;
+    return 1;
+#endif
+}
+
+/* The same GEMM with a quantized weight read in place (`--numerics native` on a quantized file): its parts as
+   detinf_quant_gemm takes them (checked by ops/quant.py; every part but the last a multiple of 16 columns),
+   each 16-column panel dequantised into tiles as the call reaches it, with the bits of detinf_gemm_bf16_amx on
+   the weight dequantised to bf16 and packed at load (quant_tiles.c). Returns as detinf_gemm_bf16_amx. */
+int detinf_gemm_bf16_amx_quant(const uint16_t *x, int64_t m, int64_t k, const detinf_qpart *parts, int64_t nparts,
+                               int64_t n, const float *bias, void *out, int out_bf16) {
+    const int status = detinf_gemm_bf16_amx_status();
+    if (status != 0) return status;
+#if defined(DETINF_GEMM_AMX)
+    const amx_quant quant = {parts, nparts, k / UNIT};
+#if defined(DETINF_TEST_AMX_RAGGED_OTHER) /* negative control: a call's partial last row tile elsewhere */
+    const int64_t whole = m / AMX_TILE_ROWS * AMX_TILE_ROWS;
+    if (whole < m) {
+        const size_t item = out_bf16 ? sizeof(uint16_t) : sizeof(float);
+        if (detinf_quant_gemm(x + whole * k, m - whole, k, 1, parts, nparts, bias, (char *)out + whole * n * item, n,
+                              out_bf16, 0))
+            return 3;
+        m = whole;
+    }
+    if (m == 0) return 0;
+#endif
+    return gemm_bf16_amx(x, m, k, NULL, &quant, n, bias, out, out_bf16) == 0 ? 0 : 3;
+#else
+    (void)x, (void)m, (void)k, (void)parts, (void)nparts, (void)n, (void)bias, (void)out, (void)out_bf16;
     return 1;
 #endif
 }

@@ -38,7 +38,7 @@
 #ifndef DETINF_GEMM_AMX_H
 #define DETINF_GEMM_AMX_H
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(DETINF_Q_AVX512) /* quant.h: AVX-512 BW, VL */
 #include <immintrin.h>
 #include <omp.h>
 
@@ -60,13 +60,24 @@ static const amx_tile_config gemm_amx_tiles = {
     .rows = {16, 16, 16, 16, 16, 16, 16, 16},
 };
 
+/* A quantized weight read in place (`--numerics native` on a quantized file): its parts as the quantized GEMM
+   takes them (every part but the last a multiple of 16 columns, so no 16-column block spans two parts). */
+typedef struct {
+    const detinf_qpart *parts;
+    int64_t nparts, units; /* units: 32-value units per row (k / 32) */
+} amx_quant;
+
 /* The operands of one call, after padding: xa [row_tiles][steps][16][32] bf16 (zero padded rows and K),
-   the packed weight and, when k is not a multiple of 32, each block's last K step copied zero padded. */
+   the packed weight and, when k is not a multiple of 32, each block's last K step copied zero padded. For a
+   quantized weight, `packed` holds the blocks [first_block, ...) x K steps [first_step, ...) dequantised so
+   far (amx_dequant), block_stride apart. */
 typedef struct {
     const uint16_t *xa;
     int64_t steps, full_steps, pairs, block_stride; /* K steps in all, those read in place, pairs per block */
     const uint16_t *packed;
     const uint16_t *tails; /* [blocks][16 pairs][32] or NULL when full_steps == steps */
+    const amx_quant *quant; /* NULL: a bf16 weight packed at load */
+    int64_t first_block, first_step;
 } amx_operands;
 
 /* The A tile of row tile t, K step s: 1 KiB in one piece. */
@@ -76,7 +87,8 @@ INLINE const uint16_t *amx_a(const amx_operands *op, int64_t t, int64_t s) {
 
 /* The B tile of block b, K step s: in place in the packed weight, or the zero padded copy of its tail. */
 INLINE const uint16_t *amx_b(const amx_operands *op, int64_t b, int64_t s) {
-    if (s < op->full_steps) return op->packed + b * op->block_stride + s * AMX_STEP_PAIRS * 32;
+    if (s < op->full_steps)
+        return op->packed + (b - op->first_block) * op->block_stride + (s - op->first_step) * AMX_STEP_PAIRS * 32;
     return op->tails + b * AMX_TILE_BYTES / 2;
 }
 
@@ -225,6 +237,42 @@ static void amx_panel(const amx_operands *op, int64_t m, int64_t row_tiles, int6
     }
 }
 
+/* Where a call's outputs go (store_tile's arguments). */
+typedef struct {
+    int64_t n;
+    const float *bias;
+    void *out;
+    int out_bf16;
+} amx_dest;
+
+/* A thread's scratch for a quantized weight: one unpacked chunk, and the dequantised B tiles. */
+typedef struct {
+    qpanel chunk;
+    uint16_t *tiles;
+} amx_scratch;
+
+/* Blocks [b0, b0 + B) x K steps [s0, s1) of op's quantized weight dequantised into scratch->tiles as B tiles
+   [B][s1 - s0][16 pairs][16][2] (the packed bf16 layout: qpanel_bf16_tiles gives the packer's bits), and op
+   pointed at them. A K step is one 32-value unit; s0 is a multiple of 8 (a K super-block) on both paths. */
+static void amx_dequant(amx_operands *op, int64_t b0, int B, int64_t s0, int64_t s1, amx_scratch *scratch) {
+    const amx_quant *q = op->quant;
+    for (int j = 0; j < B; j++) {
+        int64_t first = (b0 + j) * LANES, part = 0; /* the block's first column, within its part */
+        while (part + 1 < q->nparts && first >= q->parts[part].cols) first -= q->parts[part++].cols;
+        const int64_t format = stored_format(q->parts[part].format);
+        for (int64_t u = s0; u < s1; u += CHUNK_UNITS) {
+            const int64_t count = s1 - u < CHUNK_UNITS ? s1 - u : CHUNK_UNITS;
+            unpack_columns16(&q->parts[part], first, q->units, u, count, &scratch->chunk);
+            qpanel_bf16_tiles(format, &scratch->chunk, u, count,
+                              scratch->tiles + (j * (s1 - s0) + u - s0) * (AMX_TILE_BYTES / 2));
+        }
+    }
+    op->packed = scratch->tiles;
+    op->block_stride = (s1 - s0) * AMX_STEP_PAIRS * 32;
+    op->first_block = b0;
+    op->first_step = s0;
+}
+
 #include "gemm_amx_chunked.h" /* the path of large calls (K in chunks, accumulators spilled exactly) */
 
 /* Row tiles [t0, t1) of x [m, k] -> xa [row_tiles][steps][16][32], zero padded (rows and K). Denormals are
@@ -262,10 +310,11 @@ static void amx_thread_blocks(int64_t blocks, int id, int threads, int64_t *lo, 
 
 /* One thread's part of a call: pad its share of x's row tiles (then wait for the others: every thread reads
    every row tile), then compute its blocks panel by panel: 4 blocks for small calls, up to AMX_WIDE_BLOCKS
-   for the chunked path. */
+   for the chunked path. A quantized weight's panel is dequantised first (by chunk of K on the chunked path)
+   into the thread's scratch. */
 static void amx_thread_part(const uint16_t *x, int64_t m, int64_t k, const amx_operands *op, int64_t blocks,
-                            int64_t row_tiles, int chunked, int64_t n, const float *bias, void *out, int out_bf16,
-                            float *chunk_sums, int split_parts) {
+                            int64_t row_tiles, int chunked, const amx_dest *dest, float *chunk_sums,
+                            amx_scratch *scratch, int split_parts) {
     const int id = omp_get_thread_num(), threads = omp_get_num_threads();
     amx_pad_rows(x, m, k, row_tiles * id / threads, row_tiles * (id + 1) / threads, op->steps, (uint16_t *)op->xa);
 #pragma omp barrier
@@ -274,46 +323,72 @@ static void amx_thread_part(const uint16_t *x, int64_t m, int64_t k, const amx_o
     const int64_t panel_blocks = chunked ? AMX_WIDE_BLOCKS : BLOCKS_PER_PANEL;
     for (int64_t b0 = lo; b0 < hi; b0 += panel_blocks) {
         const int B = (int)(hi - b0 < panel_blocks ? hi - b0 : panel_blocks);
-        if (chunked) amx_chunked_panel(op, m, row_tiles, b0, B, n, bias, out, out_bf16, chunk_sums);
-        else amx_panel(op, m, row_tiles, b0, B, n, bias, out, out_bf16, split_parts);
+        amx_operands panel_op = *op;
+        if (chunked) {
+            amx_chunked_panel(&panel_op, m, row_tiles, b0, B, dest, chunk_sums, scratch);
+            continue;
+        }
+        if (op->quant) amx_dequant(&panel_op, b0, B, 0, op->steps, scratch);
+        amx_panel(&panel_op, m, row_tiles, b0, B, dest->n, dest->bias, dest->out, dest->out_bf16, split_parts);
     }
 }
 
-/* detinf_gemm_bf16's arguments on the AMX tiles. Returns 0, or -1 without touching out when a buffer
-   cannot be allocated. The calling thread's tile permission is the caller's (detinf_gemm_bf16_amx). */
-static int gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
-                         const float *bias, void *out, int out_bf16) {
+/* Per-thread scratch of a quantized weight's calls: the unpacked chunk, then the dequantised B tiles of a
+   panel (all of K, 4 blocks) or of a chunk (AMX_CHUNK_STEPS steps, up to AMX_WIDE_BLOCKS blocks). */
+static size_t amx_scratch_bytes(int64_t steps) {
+    const int64_t panel = BLOCKS_PER_PANEL * steps, chunk = AMX_WIDE_BLOCKS * AMX_CHUNK_STEPS;
+    return qpanel_bytes() + (size_t)(panel > chunk ? panel : chunk) * AMX_TILE_BYTES;
+}
+
+/* detinf_gemm_bf16's arguments on the AMX tiles, the weight packed bf16 (quant NULL) or quantized (packed NULL).
+   Returns 0, or -1 without touching out when a buffer cannot be allocated. The calling thread's tile
+   permission is the caller's (detinf_gemm_bf16_amx). */
+static int gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, const amx_quant *quant,
+                         int64_t n, const float *bias, void *out, int out_bf16) {
     const int64_t pairs = (k + 1) / 2, blocks = (n + LANES - 1) / LANES;
     const int64_t steps = (pairs + AMX_STEP_PAIRS - 1) / AMX_STEP_PAIRS;
     const int64_t row_tiles = (m + AMX_TILE_ROWS - 1) / AMX_TILE_ROWS;
     const size_t xa_bytes = (size_t)(row_tiles * steps * AMX_A_TILE_ELEMS) * sizeof(uint16_t);
     const int chunked = row_tiles >= 2 && xa_bytes > AMX_CHUNKED_MIN_BYTES;
-    const int parallel = m * n * k >= (int64_t)1 << 20, threads = parallel ? omp_get_max_threads() : 1;
-    amx_operands op = {NULL, steps, pairs / AMX_STEP_PAIRS, pairs, pairs * 32, packed, NULL};
+    /* a quantized weight is dequantised whatever m: its work is that of 16 rows at least */
+    const int64_t work_rows = quant && m < AMX_TILE_ROWS ? AMX_TILE_ROWS : m;
+    const int parallel = work_rows * n * k >= (int64_t)1 << 20, threads = parallel ? omp_get_max_threads() : 1;
+    amx_operands op = {NULL, steps, pairs / AMX_STEP_PAIRS, pairs, pairs * 32, packed, NULL, quant, 0, 0};
     const size_t acc_floats = chunked ? amx_chunk_sums_floats(row_tiles, AMX_WIDE_BLOCKS) : 0;
+    const size_t scratch_bytes = quant ? amx_scratch_bytes(steps) : 0;
     uint16_t *xa = aligned_alloc(64, xa_bytes);
     uint16_t *tails = op.full_steps < steps ? malloc((size_t)(blocks * AMX_TILE_BYTES)) : NULL;
     float *acc = chunked ? aligned_alloc(64, (size_t)threads * acc_floats * sizeof(float)) : NULL;
-    if (!xa || (op.full_steps < steps && !tails) || (chunked && !acc)) {
+    uint8_t *scratch = quant ? aligned_alloc(64, (size_t)threads * scratch_bytes) : NULL;
+    if (!xa || (op.full_steps < steps && !tails) || (chunked && !acc) || (quant && !scratch)) {
         free(xa);
         free(tails);
         free(acc);
+        free(scratch);
         return -1;
     }
     op.xa = xa;
     op.tails = tails;
     if (tails) amx_copy_tails(&op, blocks, tails);
+    const amx_dest dest = {n, bias, out, out_bf16};
     const int split_parts = omp_get_max_threads(); /* the negative control's parts only */
 #pragma omp parallel if (parallel) num_threads(threads)
     {
         _tile_loadconfig(&gemm_amx_tiles); /* the tile configuration is per thread */
-        float *thread_acc = chunked ? acc + (size_t)omp_get_thread_num() * acc_floats : NULL;
-        amx_thread_part(x, m, k, &op, blocks, row_tiles, chunked, n, bias, out, out_bf16, thread_acc, split_parts);
+        const int id = omp_get_thread_num();
+        float *thread_acc = chunked ? acc + (size_t)id * acc_floats : NULL;
+        amx_scratch thread_scratch = {{NULL, NULL, NULL, NULL, NULL}, NULL};
+        if (quant) {
+            qpanel_layout(scratch + (size_t)id * scratch_bytes, &thread_scratch.chunk);
+            thread_scratch.tiles = (uint16_t *)(scratch + (size_t)id * scratch_bytes + qpanel_bytes());
+        }
+        amx_thread_part(x, m, k, &op, blocks, row_tiles, chunked, &dest, thread_acc, &thread_scratch, split_parts);
         _tile_release();
     }
     free(acc);
     free(xa);
     free(tails);
+    free(scratch);
     return 0;
 }
 

@@ -18,13 +18,15 @@ static size_t amx_chunk_sums_floats(int64_t row_tiles, int panel_blocks) {
     return (size_t)((row_tiles + 1) * AMX_TILE_ROWS) * (size_t)(((panel_blocks + 1) & ~1) * LANES);
 }
 
-/* A panel of B blocks from b0 for every row tile, K in chunks (for each chunk: row pairs x block pairs),
-   then every row's sums taken by store_tile 64 columns at a time. acc: amx_chunk_sums_floats floats. */
-static void amx_chunked_panel(const amx_operands *op, int64_t m, int64_t row_tiles, int64_t b0, int B, int64_t n,
-                              const float *bias, void *out, int out_bf16, float *acc) {
+/* A panel of B blocks from b0 for every row tile, K in chunks (for each chunk: row pairs x block pairs; a
+   quantized weight's chunk dequantised first), then every row's sums taken by store_tile 64 columns at a
+   time. acc: amx_chunk_sums_floats floats. */
+static void amx_chunked_panel(amx_operands *op, int64_t m, int64_t row_tiles, int64_t b0, int B, const amx_dest *dest,
+                              float *acc, amx_scratch *scratch) {
     const int acc_cols = ((B + 1) & ~1) * LANES, acc_stride = acc_cols * (int)sizeof(float);
     for (int64_t s0 = 0; s0 < op->steps; s0 += AMX_CHUNK_STEPS) {
         const int64_t s1 = op->steps - s0 < AMX_CHUNK_STEPS ? op->steps : s0 + AMX_CHUNK_STEPS;
+        if (op->quant) amx_dequant(op, b0, B, s0, s1, scratch);
         for (int64_t t = 0; t < row_tiles; t += 2)
             for (int g = 0; g < B; g += 2)
                 amx_block22(op, t, t + 1 < row_tiles, b0 + g, B - g < 2 ? 1 : 2, s0, s1,
@@ -37,10 +39,10 @@ static void amx_chunked_panel(const amx_operands *op, int64_t m, int64_t row_til
         for (int g = 0; g < B; g += BLOCKS_PER_PANEL) {
             const int64_t c0 = (b0 + g) * LANES;
             const int nb = B - g < BLOCKS_PER_PANEL ? B - g : BLOCKS_PER_PANEL;
-            const int64_t cols = n - c0 < nb * LANES ? n - c0 : nb * LANES;
+            const int64_t cols = dest->n - c0 < nb * LANES ? dest->n - c0 : nb * LANES;
             for (int r = 0; r < rows; r++)
                 memcpy(tile + r * PANEL_COLS, acc + (r0 + r) * acc_cols + g * LANES, (size_t)cols * sizeof(float));
-            store_tile(tile, rows, r0, c0, cols, n, bias, out, out_bf16);
+            store_tile(tile, rows, r0, c0, cols, dest->n, dest->bias, dest->out, dest->out_bf16);
         }
     }
 }

@@ -247,6 +247,19 @@ void amx_end(void);
 void amx_rows(int64_t format, const xquant *xq, int64_t r0, int64_t tiles, int64_t u0, int64_t units, qpanel *p,
               int halves, int make_signed, float *acc);
 #endif
+/* quant_gemm.c: the entry point (its arguments described there) */
+int detinf_quant_gemm(const void *x, int64_t m, int64_t k, int x_bf16, const detinf_qpart *parts, int64_t nparts,
+                      const float *bias, void *out, int64_t n, int out_bf16, int flags);
+/* quant_gemm.c: one chunk's scratch (bytes, layout from a 64-byte aligned base); the 16 columns from `first` of
+   a part (stored or repacked), units [u0, u0 + count) of its `units` per row, into p */
+size_t qpanel_bytes(void);
+void qpanel_layout(uint8_t *base, qpanel *p);
+void unpack_columns16(const detinf_qpart *part, int64_t first, int64_t units, int64_t u0, int64_t count, qpanel *p);
+#if defined(DETINF_Q_AVX512)
+/* quant_tiles.c: `count` units of p (unit u0 first) dequantised as detinf_dequantize does, rounded to bf16 and
+   laid out as AMX-BF16 B tiles [count][16 pairs][16 columns][2] (the packed bf16 weight's layout) */
+void qpanel_bf16_tiles(int64_t format, const qpanel *p, int64_t u0, int64_t count, uint16_t *tiles);
+#endif
 /* quant_kernels.c: rows [r0, r0 + count) over the chunk of 1 or 2 halves; acc [count][32] in and out */
 void kernel_rows(int64_t format, const xquant *xq, int64_t r0, int64_t count, int64_t u0, int64_t units,
                  const qpanel *p, int halves, float *acc);

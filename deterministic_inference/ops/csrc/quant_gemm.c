@@ -32,22 +32,31 @@ typedef struct {
     void *block;
 } workspace;
 
-static int workspace_alloc(workspace *ws, int64_t m) {
+/* Bytes of one unpacked chunk's scratch (qpanel_layout), a multiple of 64. */
+size_t qpanel_bytes(void) {
     const size_t w_bytes = CHUNK_UNITS * UNIT_BYTES, f_bytes = CHUNK_UNITS * QCOLS * sizeof(float);
     const size_t sc_bytes = (CHUNK_UNITS / 8) * 16 * QCOLS * sizeof(int32_t);
     const size_t mn_bytes = (CHUNK_UNITS / 8) * 8 * QCOLS * sizeof(int32_t);
-    const size_t half = w_bytes + 2 * f_bytes + sc_bytes + mn_bytes; /* a multiple of 64 */
+    return w_bytes + 2 * f_bytes + sc_bytes + mn_bytes;
+}
+
+/* p's arrays laid out in qpanel_bytes() bytes from base (64-byte aligned). */
+void qpanel_layout(uint8_t *base, qpanel *p) {
+    const size_t w_bytes = CHUNK_UNITS * UNIT_BYTES, f_bytes = CHUNK_UNITS * QCOLS * sizeof(float);
+    const size_t sc_bytes = (CHUNK_UNITS / 8) * 16 * QCOLS * sizeof(int32_t);
+    p->w = base;
+    p->d = (float *)(base + w_bytes);
+    p->m = (float *)(base + w_bytes + f_bytes);
+    p->sc = (int32_t *)(base + w_bytes + 2 * f_bytes);
+    p->mn = (int32_t *)(base + w_bytes + 2 * f_bytes + sc_bytes);
+}
+
+static int workspace_alloc(workspace *ws, int64_t m) {
+    const size_t half = qpanel_bytes();
     uint8_t *block = aligned_alloc(64, 2 * half + ((size_t)m * ACC_COLS * sizeof(float) + 63) / 64 * 64);
     ws->block = block;
     if (!block) return 1;
-    for (int h = 0; h < 2; h++) {
-        uint8_t *base = block + h * half;
-        ws->halves[h].w = base;
-        ws->halves[h].d = (float *)(base + w_bytes);
-        ws->halves[h].m = (float *)(base + w_bytes + f_bytes);
-        ws->halves[h].sc = (int32_t *)(base + w_bytes + 2 * f_bytes);
-        ws->halves[h].mn = (int32_t *)(base + w_bytes + 2 * f_bytes + sc_bytes);
-    }
+    for (int h = 0; h < 2; h++) qpanel_layout(block + h * half, &ws->halves[h]);
     ws->acc = (float *)(block + 2 * half);
     return 0;
 }
@@ -110,6 +119,22 @@ static void unpack_half(const panel_source *src, int h, int64_t row_bytes, int64
                         qpanel *p) {
     if (src->panel) unpack_x16(src->format, src->panel + h * src->half_bytes, units, u0, count, p);
     else unpack_chunk(src->format, src->rows + h * QCOLS, row_bytes, u0, count, p);
+}
+
+/* Units [u0, u0 + count) of the 16 output columns [first, first + 16) of a part (first a multiple of 16;
+   columns past the part's end repeat its last) into p, as the GEMM unpacks them; units: the part's per row. */
+void unpack_columns16(const detinf_qpart *part, int64_t first, int64_t units, int64_t u0, int64_t count, qpanel *p) {
+    const int64_t format = stored_format(part->format);
+    if (part->format >= X16) {
+        unpack_x16(format, part->data + first * part->row_bytes, units, u0, count, p);
+        return;
+    }
+    const uint8_t *rows[QCOLS];
+    for (int c = 0; c < QCOLS; c++) {
+        const int64_t j = first + c < part->cols ? first + c : part->cols - 1;
+        rows[c] = part->data + (part->row_order ? part->row_order[j] : j) * part->row_bytes;
+    }
+    unpack_chunk(format, rows, part->row_bytes, u0, count, p);
 }
 
 static void compute_panel(const gemm_call *call, const detinf_qpart *part, const panel_ref *ref, workspace *ws) {

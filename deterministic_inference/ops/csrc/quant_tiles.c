@@ -1,0 +1,130 @@
+/* quant_tiles.c: a chunk of unpacked quantized weights (quant.h's qpanel) as bf16 AMX-BF16 B tiles, for
+   `--numerics native` on a quantized file: gemm_amx.h dequantises each panel of weights as it reaches it and
+   multiplies the tiles as it does a bf16 weight packed at load, so the blocks stay in memory as stored.
+
+   Why the tiles hold exactly the bits of dequantising at load (detinf_dequantize, bf16 out) and then packing
+   (detinf_pack_bf16): each value goes through detinf_dequantize's fp32 operations, lane by lane (a lane is
+   one of the 16 output columns, with its own scales):
+     Q8_0  d * q (the stored int8)     Q4_0  d * (q - 8)        Q5_0  d * (q - 16)
+     Q4_1, Q5_1  (d * q) + m                        Q4_K, Q5_K  ((d * sc_j) * q) - (dmin * m_j)
+     Q6_K  (d * sc) * (q - 32)
+   each product or sum one IEEE fp32 rounding (the kernels are built with -ffp-contract=off and no fused
+   multiply-add is written here), the integers converted exactly; then rounded to bf16 as f32_to_bf16 does
+   (bf16_bits16, lane by lane), and a bf16 denormal becomes a signed zero as the packer makes it. The tests
+   compare the tiles' GEMM with the GEMM on the dequantised, packed weight, bit for bit; their negative
+   control, DETINF_TEST_TILES_TRUNCATE (never set by the package), cuts each value to bf16 instead of
+   rounding it. */
+
+#include "quant.h"
+
+#if defined(DETINF_Q_AVX512)
+
+/* The per-unit factors of 16 columns: value = scale[half] * (q - offset), then + add or - subtract. */
+typedef struct {
+    __m512 scale[2]; /* for values 0..15 and 16..31 of the unit (they differ for Q6_K only) */
+    __m512 minimum;  /* Q4_1, Q5_1: m (added); Q4_K, Q5_K: dmin * m_j (subtracted) */
+} unit_factors;
+
+INLINE unit_factors factors_of(int64_t format, const qpanel *p, int64_t u0, int64_t uu) {
+    unit_factors f;
+    f.minimum = _mm512_setzero_ps();
+    if (format_block_values(format) == UNIT) {
+        f.scale[0] = f.scale[1] = _mm512_loadu_ps(p->d + uu * QCOLS);
+        if (format_has_min(format)) f.minimum = _mm512_loadu_ps(p->m + uu * QCOLS);
+        return f;
+    }
+    const int64_t sb = (u0 + uu) / 8 - u0 / 8, j = (u0 + uu) % 8; /* super-block in the chunk, unit in it */
+    const __m512 d = _mm512_loadu_ps(p->d + sb * QCOLS);
+    if (format == Q6_K) {
+        for (int h = 0; h < 2; h++) {
+            const __m512i sc = _mm512_loadu_si512(p->sc + (sb * 16 + 2 * j + h) * QCOLS);
+            f.scale[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+        }
+        return f;
+    }
+    const __m512i sc = _mm512_loadu_si512(p->sc + (sb * 16 + j) * QCOLS);
+    const __m512i mn = _mm512_loadu_si512(p->mn + (sb * 8 + j) * QCOLS);
+    f.scale[0] = f.scale[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+    f.minimum = _mm512_mul_ps(_mm512_loadu_ps(p->m + sb * QCOLS), _mm512_cvtepi32_ps(mn));
+    return f;
+}
+
+/* Value l of the unit for the 16 columns, from its unsigned integers q, in fp32 (the operations above). */
+INLINE __m512 dequantised(int64_t format, __m512i q, int32_t offset, const unit_factors *f, int l) {
+    const __m512i shifted = offset ? _mm512_sub_epi32(q, _mm512_set1_epi32(offset)) : q;
+    __m512 value = _mm512_mul_ps(f->scale[l / 16], _mm512_cvtepi32_ps(shifted));
+    if (format_has_min(format)) value = _mm512_add_ps(value, f->minimum);
+    else if (format == Q4_K || format == Q5_K) value = _mm512_sub_ps(value, f->minimum);
+    return value;
+}
+
+/* The packer's bf16 bits of a value (low 16 bits of each lane): f32_to_bf16, a denormal to a signed zero. */
+INLINE __m512i packed_bits(__m512 value) {
+    const __m512i bits = bf16_bits16(value);
+    const __mmask16 denormal = _mm512_testn_epi32_mask(bits, _mm512_set1_epi32(0x7F80));
+    return _mm512_mask_and_epi32(bits, denormal, bits, _mm512_set1_epi32(0x8000));
+}
+
+/* One tile row (pair 2g + h of the 16 columns): values a (low half of each lane) and b (high half).
+   `finite`: the unit's factors are finite, so every value is a finite multiple of 2^-24 (the fp16 scales'
+   quantum times integers), never NaN nor below bf16's smallest normal: then VCVTNE2PS2BF16's rounding (to
+   nearest even; it reads denormals as zero and quiets NaNs its own way, neither of which can occur) gives
+   f32_to_bf16's bits, and one VPERMW puts each column's two values side by side. Otherwise the bits are
+   computed lane by lane as the packer's. */
+INLINE __m512i tile_row(__m512 a, __m512 b, int finite) {
+#if defined(DETINF_TEST_TILES_TRUNCATE) /* negative control (tests only): bf16 by truncation, not rounding */
+    const __m512i low = _mm512_set1_epi32(0xFFFF);
+    return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(a), 16), low),
+                           _mm512_andnot_si512(low, _mm512_castps_si512(b)));
+#endif
+    if (finite) {
+        const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(b, a); /* words 0..15 from a, 16..31 from b */
+        const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                    23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        return _mm512_permutexvar_epi16(interleave, halves);
+    }
+    return _mm512_or_si512(packed_bits(a), _mm512_slli_epi32(packed_bits(b), 16));
+}
+
+/* Whether every factor of the unit is finite (one class test per vector: NaN or infinity). */
+INLINE int factors_finite(int64_t format, const unit_factors *f) {
+    __mmask16 bad = _mm512_fpclass_ps_mask(f->scale[0], 0x99) | _mm512_fpclass_ps_mask(f->scale[1], 0x99);
+    if (format_has_min(format) || format == Q4_K || format == Q5_K) bad |= _mm512_fpclass_ps_mask(f->minimum, 0x99);
+    return bad == 0;
+}
+
+INLINE void format_tiles(int64_t format, const qpanel *p, int64_t u0, int64_t count, uint16_t *tiles) {
+    const int32_t offset = format == Q6_K ? 32 : format_offset(format);
+    const __m512i byte = _mm512_set1_epi32(0xFF);
+    for (int64_t uu = 0; uu < count; uu++) {
+        const unit_factors f = factors_of(format, p, u0, uu);
+        const int finite = factors_finite(format, &f);
+        uint16_t *tile = tiles + uu * 512; /* [16 pairs][16 columns][2] */
+        for (int g = 0; g < 8; g++) {      /* values 4g .. 4g + 3 of each column: pairs 2g and 2g + 1 */
+            const __m512i words = _mm512_loadu_si512(p->w + uu * UNIT_BYTES + g * 64);
+            __m512 value[4];
+            for (int v = 0; v < 4; v++) {
+                const __m512i q = v == 3 ? _mm512_srli_epi32(words, 24)
+                                         : _mm512_and_si512(v ? _mm512_srli_epi32(words, 8 * v) : words, byte);
+                value[v] = dequantised(format, q, offset, &f, 4 * g + v);
+            }
+            _mm512_storeu_si512(tile + (2 * g) * 32, tile_row(value[0], value[1], finite));
+            _mm512_storeu_si512(tile + (2 * g + 1) * 32, tile_row(value[2], value[3], finite));
+        }
+    }
+}
+
+void qpanel_bf16_tiles(int64_t format, const qpanel *p, int64_t u0, int64_t count, uint16_t *tiles) {
+    switch (format) { /* each case its own loop, the format's operations fixed at compile time */
+        case Q4_0: format_tiles(Q4_0, p, u0, count, tiles); break;
+        case Q4_1: format_tiles(Q4_1, p, u0, count, tiles); break;
+        case Q5_0: format_tiles(Q5_0, p, u0, count, tiles); break;
+        case Q5_1: format_tiles(Q5_1, p, u0, count, tiles); break;
+        case Q8_0: format_tiles(Q8_0, p, u0, count, tiles); break;
+        case Q4_K: format_tiles(Q4_K, p, u0, count, tiles); break;
+        case Q5_K: format_tiles(Q5_K, p, u0, count, tiles); break;
+        default: format_tiles(Q6_K, p, u0, count, tiles); break;
+    }
+}
+
+#endif

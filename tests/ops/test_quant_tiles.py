@@ -1,0 +1,96 @@
+"""`--numerics native` on quantized weights read in place (ops/csrc/quant_tiles.c, gemm_amx.h): each panel of
+blocks is dequantised into AMX-BF16 tiles as the GEMM reaches it. Its bits must be those of the AMX-BF16 GEMM
+on the weight dequantised to bf16 at load (exactly, as gguf does) and packed, for every block format, for
+stacked parts read repacked or as stored (a part of 40 rows; Q5_0 / Q5_1, never repacked), through a row
+order, on the small calls' path and the chunked one (129 rows at K = 4096), at 1 and 2 threads; and a
+row's bits must not depend on the batch. A linear whose parts would split a 16-column block is dequantised
+at load instead, with the same bits. Negative control: a build cutting each dequantised value to bf16 instead
+of rounding it is caught. Skipped where the CPU or OS has no AMX-BF16."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deterministic_inference.ops.linear import Linear
+from deterministic_inference.ops.native import NativeKernels, load
+from deterministic_inference.ops.native_build import build
+from deterministic_inference.ops.quant_probe import random_weight
+from deterministic_inference.ops.weights import RowOrdered, StoredWeight, dense
+from tests.ops.helpers import THREADS, bits, num_threads, row_mismatches
+
+FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+K = 512  # a whole number of K super-blocks
+CHUNKED_K, CHUNKED_ROWS = 4096, 129  # x over 1 MiB: the chunked path
+
+
+def _parts(fmt: str, rows: tuple[int, ...], k: int, seed: int) -> list[StoredWeight]:
+    """Parts of `rows` rows; the first read through a row order (a reversed permutation)."""
+    generator = torch.Generator().manual_seed(seed)
+    parts: list[StoredWeight] = [random_weight(fmt, count, k, generator) for count in rows]
+    first = parts[0]
+    assert not isinstance(first, torch.Tensor | RowOrdered)
+    parts[0] = RowOrdered(first, torch.arange(rows[0] - 1, -1, -1))
+    return parts
+
+
+def _pair(amx: NativeKernels, parts: list[StoredWeight], out_dtype: torch.dtype) -> tuple[Linear, Linear]:
+    """(the linear on the blocks as stored, the one on the weight dequantised to bf16 at load): native."""
+    bias = torch.randn(sum(part.shape[0] for part in parts), generator=torch.Generator().manual_seed(5))
+    common = {"batch_invariant": True, "kernels": amx, "out_dtype": out_dtype, "native_gemm": True}
+    stored = Linear(parts, bias, dtype=torch.bfloat16, **common)  # type: ignore[arg-type]
+    weight = torch.cat([dense(part, torch.bfloat16) for part in parts])
+    return stored, Linear(weight, bias, dtype=torch.bfloat16, **common)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tiles_give_the_bits_of_the_weight_dequantised_at_load(
+    amx: NativeKernels, fmt: str, threads: int
+) -> None:
+    generator = torch.Generator().manual_seed(7)
+    for rows, out_dtype in (((48, 16), torch.bfloat16), ((32, 40), torch.float32)):
+        stored, reference = _pair(amx, _parts(fmt, rows, K, 3), out_dtype)
+        assert stored.quant_tiles is not None and stored.native_gemm and stored.formats == ("bf16", "bf16")
+        x = torch.randn(37, K, generator=generator).bfloat16()
+        with num_threads(threads):
+            assert torch.equal(bits(stored(x)), bits(reference(x))), (rows, out_dtype)
+    probe = torch.randn(2, K, generator=generator).bfloat16()
+    assert row_mismatches(stored, probe, threads, sizes=(1, 16, 17, 33)) == []
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q6_K"])
+def test_the_chunked_path_gives_the_same_bits(amx: NativeKernels, fmt: str) -> None:
+    stored, reference = _pair(amx, _parts(fmt, (32, 24), CHUNKED_K, 4), torch.bfloat16)
+    x = torch.randn(CHUNKED_ROWS, CHUNKED_K, generator=torch.Generator().manual_seed(8)).bfloat16()
+    for threads in THREADS:
+        with num_threads(threads):
+            out = bits(stored(x))
+            assert torch.equal(out, bits(reference(x)))
+            assert torch.equal(out[:1], bits(stored(x[:1])))  # a row alone: the small calls' path
+
+
+def test_parts_that_would_split_a_block_are_dequantised_at_load(amx: NativeKernels) -> None:
+    stored, reference = _pair(amx, _parts("Q4_1", (40, 16), K, 6), torch.bfloat16)
+    assert stored.quant_tiles is None and stored.native_gemm  # 40 rows, then more: the dense AMX path
+    x = torch.randn(19, K, generator=torch.Generator().manual_seed(9)).bfloat16()
+    assert torch.equal(bits(stored(x)), bits(reference(x)))
+
+
+@pytest.fixture(scope="module")
+def truncating_build(amx: NativeKernels, build_dir: Path) -> NativeKernels:
+    """The negative control: dequantised values cut to bf16, not rounded (a test-only -D build)."""
+    return load(build(("-march=native", "-DDETINF_TEST_TILES_TRUNCATE"), build_dir))
+
+
+def test_negative_control_values_cut_to_bf16_are_caught(
+    amx: NativeKernels, truncating_build: NativeKernels
+) -> None:
+    parts = _parts("Q4_1", (48, 16), K, 3)
+    stored, _ = _pair(truncating_build, parts, torch.float32)
+    _, reference = _pair(amx, parts, torch.float32)
+    assert stored.quant_tiles is not None
+    x = torch.randn(37, K, generator=torch.Generator().manual_seed(10)).bfloat16()
+    assert not torch.equal(bits(stored(x)), bits(reference(x)))

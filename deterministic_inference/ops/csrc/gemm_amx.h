@@ -259,12 +259,10 @@ static void amx_dequant(amx_operands *op, int64_t b0, int B, int64_t s0, int64_t
     for (int j = 0; j < B; j++) {
         int64_t first = (b0 + j) * LANES, part = 0; /* the block's first column, within its part */
         while (part + 1 < q->nparts && first >= q->parts[part].cols) first -= q->parts[part++].cols;
-        const int64_t format = stored_format(q->parts[part].format);
         for (int64_t u = s0; u < s1; u += CHUNK_UNITS) {
             const int64_t count = s1 - u < CHUNK_UNITS ? s1 - u : CHUNK_UNITS;
-            unpack_columns16(&q->parts[part], first, q->units, u, count, &scratch->chunk);
-            qpanel_bf16_tiles(format, &scratch->chunk, u, count,
-                              scratch->tiles + (j * (s1 - s0) + u - s0) * (AMX_TILE_BYTES / 2));
+            part_bf16_tiles(&q->parts[part], first, q->units, u, count, &scratch->chunk,
+                            scratch->tiles + (j * (s1 - s0) + u - s0) * (AMX_TILE_BYTES / 2));
         }
     }
     op->packed = scratch->tiles;

@@ -64,6 +64,9 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 /* not ggml types: Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K repacked at load into 16-column panels (quant_repack.c);
    id = format + X16 */
 enum { X16 = 100 };
+/* the repacked 32-value formats' layout (quant_repack.c): per block, fp16 fields of 16 columns, then quant bytes */
+#define X16_FIELD_BYTES 32 /* one fp16 field of one block, 16 columns */
+#define X16_QS_BYTES 256   /* one 4-bit block's quant bytes, 16 columns x 16 (Q8_0: twice as many) */
 
 /* The stored format of a part's format id (a repacked part's id less X16) */
 static inline int64_t stored_format(int64_t id) { return id >= X16 ? id - X16 : id; }
@@ -259,6 +262,10 @@ void unpack_columns16(const detinf_qpart *part, int64_t first, int64_t units, in
 /* quant_tiles.c: `count` units of p (unit u0 first) dequantised as detinf_dequantize does, rounded to bf16 and
    laid out as AMX-BF16 B tiles [count][16 pairs][16 columns][2] (the packed bf16 weight's layout) */
 void qpanel_bf16_tiles(int64_t format, const qpanel *p, int64_t u0, int64_t count, uint16_t *tiles);
+/* the same for units [u0, u0 + count) of a part's 16 columns from `first` (repacked Q4_0 / Q4_1 / Q8_0 read
+   straight from their panel, the rest unpacked into scratch first) */
+void part_bf16_tiles(const detinf_qpart *part, int64_t first, int64_t units, int64_t u0, int64_t count,
+                     qpanel *scratch, uint16_t *tiles);
 #endif
 /* quant_kernels.c: rows [r0, r0 + count) over the chunk of 1 or 2 halves; acc [count][32] in and out */
 void kernel_rows(int64_t format, const xquant *xq, int64_t r0, int64_t count, int64_t u0, int64_t units,

@@ -26,8 +26,6 @@
 
 #include "quant512.h"
 
-#define X16_FIELD_BYTES 32 /* one fp16 field of one block, 16 columns */
-#define X16_QS_BYTES 256   /* one 4-bit block's quant bytes, 16 columns x 16 (Q8_0: twice as many) */
 
 static int x16_fields(int64_t format) { return format == Q4_1 ? 2 : 1; }
 static int64_t x16_qs_bytes(int64_t format) { return format == Q8_0 ? 2 * X16_QS_BYTES : X16_QS_BYTES; }

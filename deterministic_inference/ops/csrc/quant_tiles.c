@@ -15,7 +15,7 @@
    control, DETINF_TEST_TILES_TRUNCATE (never set by the package), cuts each value to bf16 instead of
    rounding it. */
 
-#include "quant.h"
+#include "quant512.h" /* quant.h, and halves16 */
 
 #if defined(DETINF_Q_AVX512)
 
@@ -93,24 +93,80 @@ INLINE int factors_finite(int64_t format, const unit_factors *f) {
     return bad == 0;
 }
 
-INLINE void format_tiles(int64_t format, const qpanel *p, int64_t u0, int64_t count, uint16_t *tiles) {
+/* One unit's B tile [16 pairs][16 columns][2] from its 8 groups of values (words[g]: values 4g .. 4g + 3 of each
+   column, one byte each, in the column's 32-bit lane: the unpacked layout of quant.h). */
+INLINE void unit_tile(int64_t format, const unit_factors *f, const __m512i *words, uint16_t *tile) {
     const int32_t offset = format == Q6_K ? 32 : format_offset(format);
+    const int finite = factors_finite(format, f);
     const __m512i byte = _mm512_set1_epi32(0xFF);
+    for (int g = 0; g < 8; g++) { /* pairs 2g and 2g + 1 */
+        __m512 value[4];
+        for (int v = 0; v < 4; v++) {
+            const __m512i q = v == 3 ? _mm512_srli_epi32(words[g], 24)
+                                     : _mm512_and_si512(v ? _mm512_srli_epi32(words[g], 8 * v) : words[g], byte);
+            value[v] = dequantised(format, q, offset, f, 4 * g + v);
+        }
+        _mm512_storeu_si512(tile + (2 * g) * 32, tile_row(value[0], value[1], finite));
+        _mm512_storeu_si512(tile + (2 * g + 1) * 32, tile_row(value[2], value[3], finite));
+    }
+}
+
+INLINE void format_tiles(int64_t format, const qpanel *p, int64_t u0, int64_t count, uint16_t *tiles) {
     for (int64_t uu = 0; uu < count; uu++) {
         const unit_factors f = factors_of(format, p, u0, uu);
-        const int finite = factors_finite(format, &f);
-        uint16_t *tile = tiles + uu * 512; /* [16 pairs][16 columns][2] */
-        for (int g = 0; g < 8; g++) {      /* values 4g .. 4g + 3 of each column: pairs 2g and 2g + 1 */
-            const __m512i words = _mm512_loadu_si512(p->w + uu * UNIT_BYTES + g * 64);
-            __m512 value[4];
-            for (int v = 0; v < 4; v++) {
-                const __m512i q = v == 3 ? _mm512_srli_epi32(words, 24)
-                                         : _mm512_and_si512(v ? _mm512_srli_epi32(words, 8 * v) : words, byte);
-                value[v] = dequantised(format, q, offset, &f, 4 * g + v);
+        __m512i words[8];
+        for (int g = 0; g < 8; g++) words[g] = _mm512_loadu_si512(p->w + uu * UNIT_BYTES + g * 64);
+        unit_tile(format, &f, words, tiles + uu * 512);
+    }
+}
+
+/* The same tiles straight from a repacked Q4_0 / Q4_1 / Q8_0 panel of 16 columns (quant_repack.c's layout,
+   `units` blocks per row), units [u0, u0 + count): the values unpack_x16 would write, taken in registers. */
+#define X16_AHEAD 8 /* units prefetched ahead */
+
+INLINE void x16_format_tiles(int64_t format, const uint8_t *panel, int64_t units, int64_t u0, int64_t count,
+                             uint16_t *tiles) {
+    const int fields = format == Q4_1 ? 2 : 1;
+    const int64_t qs_bytes = format == Q8_0 ? 2 * X16_QS_BYTES : X16_QS_BYTES;
+    const uint8_t *qs = panel + X16_FIELD_BYTES * fields * units;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t u = u0; u < u0 + count; u++) {
+        unit_factors f;
+        f.scale[0] = f.scale[1] = halves16(panel + X16_FIELD_BYTES * u);
+        f.minimum = fields == 2 ? halves16(panel + X16_FIELD_BYTES * (units + u)) : _mm512_setzero_ps();
+        const uint8_t *q = qs + qs_bytes * u;
+        /* the bytes X16_AHEAD units on, into L1: at a few dozen rows the GEMM streams the weights from memory */
+        for (int64_t line = 0; line < qs_bytes; line += 64)
+            _mm_prefetch((const char *)(q + X16_AHEAD * qs_bytes + line), _MM_HINT_T0);
+        for (int field = 0; field < fields; field++)
+            _mm_prefetch((const char *)(panel + X16_FIELD_BYTES * (field * units + u + X16_AHEAD)), _MM_HINT_T0);
+        __m512i words[8];
+        for (int t = 0; t < 4; t++) {
+            const __m512i v = _mm512_loadu_si512(q + 64 * t);
+            if (format == Q8_0) {
+                words[t] = v;
+                words[t + 4] = _mm512_loadu_si512(q + 64 * (t + 4));
+            } else { /* low nibbles: group t; high nibbles: group t + 4 */
+                words[t] = _mm512_and_si512(v, low);
+                words[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
-            _mm512_storeu_si512(tile + (2 * g) * 32, tile_row(value[0], value[1], finite));
-            _mm512_storeu_si512(tile + (2 * g + 1) * 32, tile_row(value[2], value[3], finite));
         }
+        unit_tile(format, &f, words, tiles + (u - u0) * 512);
+    }
+}
+
+/* Units [u0, u0 + count) of a part's 16 columns from `first` as B tiles (see qpanel_bf16_tiles): straight
+   from a repacked Q4_0 / Q4_1 / Q8_0 panel, else through the GEMM's unpacking into `scratch`. */
+void part_bf16_tiles(const detinf_qpart *part, int64_t first, int64_t units, int64_t u0, int64_t count,
+                     qpanel *scratch, uint16_t *tiles) {
+    const int64_t format = stored_format(part->format);
+    const uint8_t *panel = part->data + first * part->row_bytes;
+    if (part->format >= X16 && format == Q4_0) x16_format_tiles(Q4_0, panel, units, u0, count, tiles);
+    else if (part->format >= X16 && format == Q4_1) x16_format_tiles(Q4_1, panel, units, u0, count, tiles);
+    else if (part->format >= X16 && format == Q8_0) x16_format_tiles(Q8_0, panel, units, u0, count, tiles);
+    else {
+        unpack_columns16(part, first, units, u0, count, scratch);
+        qpanel_bf16_tiles(format, scratch, u0, count, tiles);
     }
 }
 

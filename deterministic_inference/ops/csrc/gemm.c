@@ -104,11 +104,34 @@ static void tile_sums_any(const uint16_t *x, int64_t k, const uint16_t *panel, i
 #undef DETINF_TILE_CASE
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* The bf16 outputs of columns [0, cols) from c: 32 at a time by VCVTNE2PS2BF16, which rounds to nearest even
+   as f32_to_bf16 does for every value but a NaN or a denormal (it quiets a NaN its own way and reads a
+   denormal as zero); a run of 32 holding one of those is left to the loop below. Returns where it stopped. */
+INLINE int64_t store_bf16x32(const float *sums, const float *bias, uint16_t *out, int64_t cols, int has_bias) {
+    int64_t c = 0;
+    for (; c + 32 <= cols; c += 32) {
+        __m512 low = _mm512_loadu_ps(sums + c), high = _mm512_loadu_ps(sums + c + 16);
+        if (has_bias) {
+            low = _mm512_add_ps(low, _mm512_loadu_ps(bias + c));
+            high = _mm512_add_ps(high, _mm512_loadu_ps(bias + c + 16));
+        }
+        if (_mm512_fpclass_ps_mask(low, 0xA1) | _mm512_fpclass_ps_mask(high, 0xA1)) break; /* NaN, denormal */
+        _mm512_storeu_si512(out + c, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+    return c;
+}
+#endif
+
 /* out[base + c] = sums[c] (+ bias[c]) for c < cols, fp32 or rounded to bf16. Called with literal flags,
    so each variant is a branch-free loop the compiler vectorises (the conversion was the GEMM's tail). */
 INLINE void store_row(const float *sums, const float *bias, void *out, int64_t base, int64_t cols, int out_bf16,
                       int has_bias) {
-    for (int64_t c = 0; c < cols; c++) {
+    int64_t first = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if (out_bf16) first = store_bf16x32(sums, bias, (uint16_t *)out + base, cols, has_bias);
+#endif
+    for (int64_t c = first; c < cols; c++) {
         const float value = has_bias ? sums[c] + bias[c] : sums[c];
         if (out_bf16) ((uint16_t *)out)[base + c] = f32_to_bf16(value);
         else ((float *)out)[base + c] = value;

@@ -83,9 +83,10 @@ def add_numerics_options(group: argparse._ArgumentGroup) -> None:
         default="portable",
         metavar="{" + ",".join(NUMERICS_MODES) + "}",
         help="portable: bits fixed by our source, the same on every x86-64 CPU; native: the bf16 GEMM on "
-        "this CPU's AMX-BF16 tiles, a quantized file's linears dequantised to bf16 for them (faster in "
-        "batches, 2 bytes per weight; still batch, chunk and thread invariant, but the bits hold on "
-        "this CPU class only: the fingerprint records the ISA). Refused where the CPU has no AMX-BF16",
+        "this CPU's AMX-BF16 tiles, a quantized file's blocks dequantised to bf16 into them as the GEMM "
+        "reads them (faster in batches, slower for one stream; still batch, chunk and thread invariant, "
+        "but the bits hold on this CPU class only: the fingerprint records the ISA). Refused where the "
+        "CPU has no AMX-BF16",
     )
     group.add_argument("--no-batch-invariant", action="store_true", help="plain torch ops (not reproducible)")
 

@@ -123,6 +123,27 @@ def test_accurate_against_float64_with_bias_and_bf16_rounding(kernels: NativeKer
     assert torch.equal(bits(bf16), bits(fp32.float().bfloat16()))  # one rounding of the fp32 result
 
 
+def test_bf16_outputs_of_nans_and_denormals_round_as_torch(kernels: NativeKernels) -> None:
+    """The bf16 store rounds 32 values at a time by VCVTNE2PS2BF16 where the build has it, which quiets a
+    NaN its own way and reads a denormal as zero: runs holding one must still give f32_to_bf16's bits
+    (torch's rounding, and the one quiet NaN 0x7FC0 for every NaN). A zero weight makes each output its
+    bias: NaNs of both signs, fp32 denormals that round to bf16 denormals or up to the smallest normal,
+    values that round up to infinity, in some runs of 32 only."""
+    n, k = 160, 32
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(8))
+    special = [float("nan"), -float("nan"), 3e-39, -1.17e-38, 1.1754942e-38, 3.4028235e38, -3.40282e38]
+    bias[40 : 40 + len(special)] = torch.tensor(special)
+    bias[100] = 2e-45  # the smallest fp32 denormal
+    packed = kernels.pack_bf16(torch.zeros(n, k, dtype=BF16))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(9)).bfloat16()
+    out = kernels.gemm_bf16(x, packed, n, bias, BF16)
+    expected = bits(bias.bfloat16())
+    expected[bias.isnan()] = 0x7FC0
+    assert torch.equal(bits(out), expected.expand(3, n))
+    if kernels.native_gemm_missing() is None:  # the AMX-BF16 path stores through the same code
+        assert torch.equal(bits(kernels.gemm_bf16(x, packed, n, bias, BF16, native=True)), bits(out))
+
+
 def test_no_rows_gives_an_empty_result(kernels: NativeKernels) -> None:
     packed = kernels.pack_bf16(torch.ones(20, 8, dtype=BF16))
     out = kernels.gemm_bf16(torch.empty(0, 8, dtype=BF16), packed, 20, None, torch.float32)

@@ -207,6 +207,7 @@ class QuantLinear:
             for part, order in zip(self.parts, self.row_orders, strict=True)
         ]
         self._table = (_Part * len(parts))(*entries)
+        self._kernels = kernels
         self._gemm = _library(kernels).detinf_quant_gemm
         self._tiles = _library(kernels).detinf_gemm_bf16_amx_quant
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
@@ -272,8 +273,10 @@ class QuantLinear:
                 x.data_ptr(), x.shape[0], self.in_features, self._table, len(self.parts), self.out_features,
                 self._bias_ptr, out.data_ptr(), self.out_dtype == torch.bfloat16,
             )  # fmt: skip
+            if status == 3:
+                raise MemoryError("quantized GEMM on the AMX-BF16 tiles could not allocate its work space")
             if status:
-                raise MemoryError(f"quantized GEMM on the AMX-BF16 tiles failed (status {status})")
+                raise RuntimeError(f"quantized GEMM (native numerics): {self._kernels.native_gemm_missing()}")
         return out
 
     def _checked(

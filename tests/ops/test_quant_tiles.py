@@ -5,7 +5,8 @@ stacked parts read repacked or as stored (a part of 40 rows; Q5_0 / Q5_1, never 
 order, on the small calls' path and the chunked one (129 rows at K = 4096), at 1 and 2 threads; and a
 row's bits must not depend on the batch. A linear whose parts would split a 16-column block is dequantised
 at load instead, with the same bits. Negative control: a build cutting each dequantised value to bf16 instead
-of rounding it is caught. Skipped where the CPU or OS has no AMX-BF16."""
+of rounding it is caught. Skipped where the CPU or OS has no AMX-BF16; a build without the tiles refusing
+the call is tested everywhere."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.native import NativeKernels, load
 from deterministic_inference.ops.native_build import build
+from deterministic_inference.ops.quant import QuantLinear
 from deterministic_inference.ops.quant_probe import random_weight
 from deterministic_inference.ops.weights import RowOrdered, StoredWeight, dense
 from tests.ops.helpers import THREADS, bits, num_threads, row_mismatches
@@ -94,3 +96,13 @@ def test_negative_control_values_cut_to_bf16_are_caught(
     assert stored.quant_tiles is not None
     x = torch.randn(37, K, generator=torch.Generator().manual_seed(10)).bfloat16()
     assert not torch.equal(bits(stored(x)), bits(reference(x)))
+
+
+def test_a_build_without_amx_bf16_refuses_the_tiles() -> None:
+    """The AVX2 build (-march=x86-64-v3) has no tile path: the quantized GEMM on the tiles raises, naming
+    what is missing, instead of computing something else."""
+    lib = load(build(("-march=x86-64-v3",)))
+    weight = random_weight("Q4_0", 32, K, torch.Generator().manual_seed(11))
+    linear = QuantLinear(lib, [weight], bias=None, out_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="native numerics.*AMX-BF16"):
+        linear.on_tiles(torch.ones(2, K, dtype=torch.bfloat16))

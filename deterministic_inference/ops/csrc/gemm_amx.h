@@ -4,6 +4,9 @@
    packs once at load. That layout, [n / 16][k / 2][16][2], is already the AMX B operand: 16 pairs of one
    16-column block are one B tile of 16 rows x 64 bytes (stride 64). x is copied per call into the same
    shape, tile-major ([row tile][K step][16 rows][32 values]), so every A tile is 1 KiB in one piece too.
+   A quantized weight (detinf_gemm_bf16_amx_quant) is read in place instead: each thread dequantises a panel
+   (or a K chunk of one) into that same layout in its scratch just before multiplying it (quant_tiles.c: the
+   packer's bits, so the tiles see exactly the weight dequantised at load and packed).
 
    These bits are NOT gemm.c's documented sum: TDPBF16PS's internal order and rounding belong to the CPU
    (issue 17 could not reproduce them in portable C), so they are fixed per CPU class only, and the engine
@@ -17,8 +20,8 @@
      it on the CPU: a row alone == the same row at the first, middle and last position of batches);
    - each 16 x 16 output block has one accumulator: zeroed, then one TDPBF16PS per 32-value K step in
      ascending order (k zero padded to a multiple of 32; a padded pair adds +0 products), then stored once:
-     K is never split into sums added later. Threads share out column panels (N) only, so 1 and 2 threads
-     give the same bits;
+     K is never split into sums added later. Threads share out the column blocks (N) only, each an even
+     share, so 1 and 2 threads give the same bits;
    - large calls (x over AMX_CHUNKED_MIN_BYTES) walk K in chunks of AMX_CHUNK_STEPS steps so that a row
      pair's x stays in L1 while a wide panel's weights stream from L2. Between chunks an accumulator tile
      is stored to memory as fp32 and loaded back: a tile store and load move its 32-bit words unchanged,
@@ -31,7 +34,8 @@
    Included by gemm.c after store_tile. DETINF_GEMM_AMX says whether this build has the path (AMX-TILE and
    AMX-BF16 in the -march); at run time the kernel must also grant the tile state (amx_usable, once per
    process). Test-only negative controls (never set by the package): DETINF_TEST_AMX_RAGGED_OTHER sends the
-   rows of a call's last, partial row tile to gemm.c's other path; DETINF_TEST_AMX_SPLIT_K splits K into
+   rows of a call's last, partial row tile to gemm.c's other path (or the quantized GEMM, for a quantized
+   weight); DETINF_TEST_AMX_SPLIT_K splits K into
    one part per thread, each part its own tile, summed in fp32 (small calls); DETINF_TEST_AMX_CHUNK_SUMS
    starts every chunk of a large call from zero and adds its sums to the spilled ones in fp32. */
 

@@ -104,7 +104,9 @@ def json_signature(key: str, document: dict[str, Any]) -> tuple[Any, ...]:
 
 
 async def send(client: httpx.AsyncClient, base: str, item: Valid | Hostile) -> tuple[str, Any]:
-    """(kind, result): ("hostile", status), ("dropped", None) or (key, output signature)."""
+    """(kind, result): ("hostile", status), ("dropped", None), ("ended before its drop", signature) for a
+    stream to drop that ended before its second event (under load the server may coalesce tokens into
+    fewer events), or (key, output signature)."""
     if isinstance(item, Hostile):
         response = await client.post(
             base + item.path, content=item.body, headers={"Content-Type": "application/json"}
@@ -120,8 +122,9 @@ async def send(client: httpx.AsyncClient, base: str, item: Valid | Hostile) -> t
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            if line == "data: [DONE]":
-                return item.key, stream_signature(item.key, events)
+            if line == "data: [DONE]":  # a stream to drop can end first: the server may send few events
+                kind = "ended before its drop" if item.drop else item.key
+                return kind, stream_signature(item.key, events)
             events.append(json.loads(line[6:]))
             if item.drop and len(events) == 2:
                 return "dropped", None  # leaving the block closes the connection mid-stream
@@ -169,12 +172,14 @@ def test_load_with_hostile_requests_and_dropped_streams(tiny_llama_dir: TinyMode
     for (kind, result), item in zip(results, items, strict=True):
         if kind == "hostile":
             assert 400 <= result < 500, (item, result)
-        elif kind != "dropped":
+        elif kind not in ("dropped", "ended before its drop"):
             outputs[kind].add(result)
     valid = [item for item in items if isinstance(item, Valid)]
     dropped = sum(1 for item in valid if item.drop)
     assert sum(1 for kind, _ in results if kind == "hostile") == TOTAL // 10
-    assert dropped > 0 and sum(1 for kind, _ in results if kind == "dropped") == dropped
+    kinds = [kind for kind, _ in results]
+    assert kinds.count("dropped") > 0
+    assert kinds.count("dropped") + kinds.count("ended before its drop") == dropped
     assert {key: len(seen) for key, seen in outputs.items() if len(seen) != 1} == {}
     # a stream and a non-stream request of the same body and prompt give the same text and bits
     for i in range(len(PROMPTS)):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from deterministic_inference.ops.portable import gemm_f32, pack_f32
-from deterministic_inference.ops.quant import QuantizedWeight, QuantLinear
+from deterministic_inference.ops.quant import QuantizedWeight, QuantLinear, tiles_fit
 from deterministic_inference.ops.weights import (
     RowOrdered,
     StoredWeight,
@@ -85,21 +85,19 @@ class Linear:
         # Native numerics on a bf16 model: quantized parts run on the tiles as bf16 (dequantised exactly).
         tiles = native_gemm and dtype == torch.bfloat16
         quantized = all(is_quantized(part) for part in parts)
-        if kernels is not None and batch_invariant and quantized:
-            blocks = [quant_part(part) for part in parts]  # type: ignore[arg-type]
-            quant = QuantLinear(
-                kernels, [b for b, _ in blocks], bias=bias, out_dtype=self.out_dtype,
-                row_orders=[order for _, order in blocks],
-            )  # fmt: skip
+        blocks = [quant_part(part) for part in parts] if quantized else []  # type: ignore[arg-type]
+        stored, orders = [b for b, _ in blocks], [order for _, order in blocks]
+        # parts that would split a 16-column block of the tiles are dequantised below instead
+        if kernels is not None and batch_invariant and quantized and (not tiles or tiles_fit(stored)):
+            quant = QuantLinear(kernels, stored, bias=bias, out_dtype=self.out_dtype, row_orders=orders)
             self.out_features, self.in_features = quant.out_features, quant.in_features
-            if not tiles:
-                self._quant, self.backend = quant, "quant"
-                self.formats = tuple(stored_format(part) for part in parts)
-                return
-            if quant.fits_tiles:
+            if tiles:
                 self._quant_tiles, self.backend, self.native_gemm = quant, "native", True
                 self.formats = (dtype_format(dtype),) * len(parts)  # the tiles' arithmetic: bf16 weights
-                return
+            else:
+                self._quant, self.backend = quant, "quant"
+                self.formats = tuple(stored_format(part) for part in parts)
+            return
         # Dense: every part cast (quantized parts dequantised: the plain backend, or a linear mixing
         # quantized and float parts) and stacked.
         self.formats = (dtype_format(dtype),) * len(parts)

@@ -210,6 +210,7 @@ class QuantLinear:
         self._kernels = kernels
         self._gemm = _library(kernels).detinf_quant_gemm
         self._tiles = _library(kernels).detinf_gemm_bf16_amx_quant
+        self._fit_tiles = tiles_fit(self.parts)
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
     def _part_entry(
@@ -256,17 +257,14 @@ class QuantLinear:
                 raise MemoryError("quantized GEMM could not allocate its work space")
         return out
 
-    @property
-    def fits_tiles(self) -> bool:
-        """Whether `on_tiles` can read these parts: every part but the last a multiple of 16 rows (so that
-        no 16-column block of the AMX-BF16 GEMM spans two parts) and in_features a multiple of 32."""
-        return all(part.shape[0] % 16 == 0 for part in self.parts[:-1]) and self.in_features % 32 == 0
-
     def on_tiles(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] bf16 -> [M, N] in out_dtype on the AMX-BF16 tiles (`--numerics native`), each panel of
         the blocks dequantised exactly (as `dequantize` does, rounded to bf16) as the GEMM reaches it: the
         bits of the AMX-BF16 GEMM on the weight dequantised to bf16 at load (ops/csrc/quant_tiles.c), with
-        the blocks kept as stored. Needs `fits_tiles` and a CPU whose AMX-BF16 tiles the kernels can use."""
+        the blocks kept as stored. Needs parts that `tiles_fit`, and a CPU whose AMX-BF16 tiles the kernels
+        can use."""
+        if not self._fit_tiles:
+            raise ValueError("QuantLinear.on_tiles: a part before the last is not a multiple of 16 rows")
         x, out = self._checked(x, (torch.bfloat16,))
         if x.shape[0]:
             status = self._tiles(
@@ -289,6 +287,12 @@ class QuantLinear:
                 f"QuantLinear: x must be {names} [M, {self.in_features}], got {x.dtype} {list(x.shape)}"
             )
         return x.contiguous(), torch.empty((x.shape[0], self.out_features), dtype=self.out_dtype)
+
+
+def tiles_fit(parts: Sequence[QuantizedWeight]) -> bool:
+    """Whether `QuantLinear.on_tiles` can read these stacked parts: every part but the last a multiple of 16
+    rows (so that no 16-column block of the AMX-BF16 GEMM spans two parts) and K a multiple of 32."""
+    return all(part.shape[0] % 16 == 0 for part in parts[:-1]) and parts[0].shape[1] % 32 == 0
 
 
 def uses_amx(kernels: NativeKernels) -> bool:

@@ -18,7 +18,7 @@ import torch
 from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.native import NativeKernels, load
 from deterministic_inference.ops.native_build import build
-from deterministic_inference.ops.quant import QuantLinear
+from deterministic_inference.ops.quant import QuantLinear, tiles_fit
 from deterministic_inference.ops.quant_probe import random_weight
 from deterministic_inference.ops.weights import RowOrdered, StoredWeight, dense
 from tests.ops.helpers import THREADS, bits, num_threads, row_mismatches
@@ -79,6 +79,11 @@ def test_parts_that_would_split_a_block_are_dequantised_at_load(amx: NativeKerne
     assert stored.quant_tiles is None and stored.native_gemm  # 40 rows, then more: the dense AMX path
     x = torch.randn(19, K, generator=torch.Generator().manual_seed(9)).bfloat16()
     assert torch.equal(bits(stored(x)), bits(reference(x)))
+    parts = _parts("Q4_1", (40, 16), K, 6)
+    blocks = [part.stored if isinstance(part, RowOrdered) else part for part in parts]
+    assert not tiles_fit(blocks)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="multiple of 16 rows"):  # the tiles refuse them if asked directly
+        QuantLinear(amx, blocks, bias=None, out_dtype=torch.float32).on_tiles(x)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

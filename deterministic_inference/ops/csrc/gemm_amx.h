@@ -256,7 +256,7 @@ typedef struct {
 } amx_scratch;
 
 /* Blocks [b0, b0 + B) x K steps [s0, s1) of op's quantized weight dequantised into scratch->tiles as B tiles
-   [B][s1 - s0][16 pairs][16][2] (the packed bf16 layout: qpanel_bf16_tiles gives the packer's bits), and op
+   [B][s1 - s0][16 pairs][16][2] (the packed bf16 layout: part_bf16_tiles gives the packer's bits), and op
    pointed at them. A K step is one 32-value unit; s0 is a multiple of 8 (a K super-block) on both paths. */
 static void amx_dequant(amx_operands *op, int64_t b0, int B, int64_t s0, int64_t s1, amx_scratch *scratch) {
     const amx_quant *q = op->quant;

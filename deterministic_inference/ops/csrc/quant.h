@@ -67,6 +67,9 @@ enum { X16 = 100 };
 /* the repacked 32-value formats' layout (quant_repack.c): per block, fp16 fields of 16 columns, then quant bytes */
 #define X16_FIELD_BYTES 32 /* one fp16 field of one block, 16 columns */
 #define X16_QS_BYTES 256   /* one 4-bit block's quant bytes, 16 columns x 16 (Q8_0: twice as many) */
+/* fp16 fields per block (Q4_1: d and m; Q4_0, Q8_0: d), and quant bytes per block of 16 columns */
+static inline int x16_fields(int64_t format) { return format == Q4_1 ? 2 : 1; }
+static inline int64_t x16_qs_bytes(int64_t format) { return format == Q8_0 ? 2 * X16_QS_BYTES : X16_QS_BYTES; }
 
 /* The stored format of a part's format id (a repacked part's id less X16) */
 static inline int64_t stored_format(int64_t id) { return id >= X16 ? id - X16 : id; }
@@ -259,11 +262,10 @@ size_t qpanel_bytes(void);
 void qpanel_layout(uint8_t *base, qpanel *p);
 void unpack_columns16(const detinf_qpart *part, int64_t first, int64_t units, int64_t u0, int64_t count, qpanel *p);
 #if defined(DETINF_Q_AVX512)
-/* quant_tiles.c: `count` units of p (unit u0 first) dequantised as detinf_dequantize does, rounded to bf16 and
-   laid out as AMX-BF16 B tiles [count][16 pairs][16 columns][2] (the packed bf16 weight's layout) */
-void qpanel_bf16_tiles(int64_t format, const qpanel *p, int64_t u0, int64_t count, uint16_t *tiles);
-/* the same for units [u0, u0 + count) of a part's 16 columns from `first` (repacked Q4_0 / Q4_1 / Q8_0 read
-   straight from their panel, the rest unpacked into scratch first) */
+/* quant_tiles.c: units [u0, u0 + count) of a part's 16 columns from `first`, dequantised as detinf_dequantize
+   does, rounded to bf16 and laid out as AMX-BF16 B tiles [count][16 pairs][16 columns][2] (the packed bf16
+   weight's layout): repacked Q4_0 / Q4_1 / Q8_0 read straight from their panel, the rest unpacked into
+   scratch first */
 void part_bf16_tiles(const detinf_qpart *part, int64_t first, int64_t units, int64_t u0, int64_t count,
                      qpanel *scratch, uint16_t *tiles);
 #endif

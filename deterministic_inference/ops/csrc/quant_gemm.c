@@ -32,23 +32,22 @@ typedef struct {
     void *block;
 } workspace;
 
+/* One unpacked chunk's arrays (quant.h's qpanel), in this order: each a multiple of 64 bytes. */
+#define QPANEL_W_BYTES ((size_t)CHUNK_UNITS * UNIT_BYTES)
+#define QPANEL_F_BYTES ((size_t)CHUNK_UNITS * QCOLS * sizeof(float))
+#define QPANEL_SC_BYTES ((size_t)(CHUNK_UNITS / 8) * 16 * QCOLS * sizeof(int32_t))
+#define QPANEL_MN_BYTES ((size_t)(CHUNK_UNITS / 8) * 8 * QCOLS * sizeof(int32_t))
+
 /* Bytes of one unpacked chunk's scratch (qpanel_layout), a multiple of 64. */
-size_t qpanel_bytes(void) {
-    const size_t w_bytes = CHUNK_UNITS * UNIT_BYTES, f_bytes = CHUNK_UNITS * QCOLS * sizeof(float);
-    const size_t sc_bytes = (CHUNK_UNITS / 8) * 16 * QCOLS * sizeof(int32_t);
-    const size_t mn_bytes = (CHUNK_UNITS / 8) * 8 * QCOLS * sizeof(int32_t);
-    return w_bytes + 2 * f_bytes + sc_bytes + mn_bytes;
-}
+size_t qpanel_bytes(void) { return QPANEL_W_BYTES + 2 * QPANEL_F_BYTES + QPANEL_SC_BYTES + QPANEL_MN_BYTES; }
 
 /* p's arrays laid out in qpanel_bytes() bytes from base (64-byte aligned). */
 void qpanel_layout(uint8_t *base, qpanel *p) {
-    const size_t w_bytes = CHUNK_UNITS * UNIT_BYTES, f_bytes = CHUNK_UNITS * QCOLS * sizeof(float);
-    const size_t sc_bytes = (CHUNK_UNITS / 8) * 16 * QCOLS * sizeof(int32_t);
     p->w = base;
-    p->d = (float *)(base + w_bytes);
-    p->m = (float *)(base + w_bytes + f_bytes);
-    p->sc = (int32_t *)(base + w_bytes + 2 * f_bytes);
-    p->mn = (int32_t *)(base + w_bytes + 2 * f_bytes + sc_bytes);
+    p->d = (float *)(base + QPANEL_W_BYTES);
+    p->m = (float *)(base + QPANEL_W_BYTES + QPANEL_F_BYTES);
+    p->sc = (int32_t *)(base + QPANEL_W_BYTES + 2 * QPANEL_F_BYTES);
+    p->mn = (int32_t *)(base + QPANEL_W_BYTES + 2 * QPANEL_F_BYTES + QPANEL_SC_BYTES);
 }
 
 static int workspace_alloc(workspace *ws, int64_t m) {
@@ -115,6 +114,15 @@ typedef struct {
     int64_t half_bytes;            /* repacked: bytes of one 16-column half */
 } panel_source;
 
+/* *src = the source of the panel `ref` of a part, whose first `cols` columns are real (the rest repeat the
+   last). */
+static void panel_source_of(const detinf_qpart *part, const panel_ref *ref, int64_t cols, panel_source *src) {
+    src->format = stored_format(part->format);
+    src->panel = part->format >= X16 ? part->data + ref->first_col * part->row_bytes : NULL;
+    src->half_bytes = QCOLS * part->row_bytes;
+    if (!src->panel) panel_rows(part, ref, cols, src->rows);
+}
+
 static void unpack_half(const panel_source *src, int h, int64_t row_bytes, int64_t units, int64_t u0, int64_t count,
                         qpanel *p) {
     if (src->panel) unpack_x16(src->format, src->panel + h * src->half_bytes, units, u0, count, p);
@@ -124,28 +132,17 @@ static void unpack_half(const panel_source *src, int h, int64_t row_bytes, int64
 /* Units [u0, u0 + count) of the 16 output columns [first, first + 16) of a part (first a multiple of 16;
    columns past the part's end repeat its last) into p, as the GEMM unpacks them; units: the part's per row. */
 void unpack_columns16(const detinf_qpart *part, int64_t first, int64_t units, int64_t u0, int64_t count, qpanel *p) {
-    const int64_t format = stored_format(part->format);
-    if (part->format >= X16) {
-        unpack_x16(format, part->data + first * part->row_bytes, units, u0, count, p);
-        return;
-    }
-    const uint8_t *rows[QCOLS];
-    for (int c = 0; c < QCOLS; c++) {
-        const int64_t j = first + c < part->cols ? first + c : part->cols - 1;
-        rows[c] = part->data + (part->row_order ? part->row_order[j] : j) * part->row_bytes;
-    }
-    unpack_chunk(format, rows, part->row_bytes, u0, count, p);
+    const panel_ref ref = {0, first, 0};
+    panel_source src;
+    panel_source_of(part, &ref, part->cols - first, &src);
+    unpack_half(&src, 0, part->row_bytes, units, u0, count, p);
 }
 
 static void compute_panel(const gemm_call *call, const detinf_qpart *part, const panel_ref *ref, workspace *ws) {
     const int64_t cols = part->cols - ref->first_col < ACC_COLS ? part->cols - ref->first_col : ACC_COLS;
     const int halves = cols > QCOLS ? 2 : 1;
-    panel_source src = {stored_format(part->format), NULL, {NULL}, QCOLS * part->row_bytes};
-    if (part->format >= X16) {
-        src.panel = part->data + ref->first_col * part->row_bytes;
-    } else {
-        panel_rows(part, ref, cols, src.rows);
-    }
+    panel_source src;
+    panel_source_of(part, ref, cols, &src);
     const xquant *xq = format_block_values(src.format) == SUPER ? call->x256 : call->x32;
     const int64_t units = xq->k / UNIT, chunks = (units + CHUNK_UNITS - 1) / CHUNK_UNITS;
     const int reverse = (call->flags & QTEST_REVERSE) || ((call->flags & QTEST_REVERSE_ODD) && omp_get_thread_num() % 2);

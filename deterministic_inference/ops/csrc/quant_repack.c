@@ -27,8 +27,6 @@
 #include "quant512.h"
 
 
-static int x16_fields(int64_t format) { return format == Q4_1 ? 2 : 1; }
-static int64_t x16_qs_bytes(int64_t format) { return format == Q8_0 ? 2 * X16_QS_BYTES : X16_QS_BYTES; }
 
 /* 1 when this build reads `format` faster repacked (the AVX-512 paths), else 0. */
 int detinf_quant_repacks(int64_t format) {

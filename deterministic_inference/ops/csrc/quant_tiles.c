@@ -120,14 +120,14 @@ INLINE void format_tiles(int64_t format, const qpanel *p, int64_t u0, int64_t co
     }
 }
 
-/* The same tiles straight from a repacked Q4_0 / Q4_1 / Q8_0 panel of 16 columns (quant_repack.c's layout,
-   `units` blocks per row), units [u0, u0 + count): the values unpack_x16 would write, taken in registers. */
 #define X16_AHEAD 8 /* units prefetched ahead */
 
+/* The same tiles straight from a repacked Q4_0 / Q4_1 / Q8_0 panel of 16 columns (quant_repack.c's layout,
+   `units` blocks per row), units [u0, u0 + count): the values unpack_x16 would write, taken in registers. */
 INLINE void x16_format_tiles(int64_t format, const uint8_t *panel, int64_t units, int64_t u0, int64_t count,
                              uint16_t *tiles) {
-    const int fields = format == Q4_1 ? 2 : 1;
-    const int64_t qs_bytes = format == Q8_0 ? 2 * X16_QS_BYTES : X16_QS_BYTES;
+    const int fields = x16_fields(format);
+    const int64_t qs_bytes = x16_qs_bytes(format);
     const uint8_t *qs = panel + X16_FIELD_BYTES * fields * units;
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t u = u0; u < u0 + count; u++) {
@@ -155,7 +155,21 @@ INLINE void x16_format_tiles(int64_t format, const uint8_t *panel, int64_t units
     }
 }
 
-/* Units [u0, u0 + count) of a part's 16 columns from `first` as B tiles (see qpanel_bf16_tiles): straight
+/* `count` units of the unpacked chunk p (unit u0 first) as B tiles. */
+static void qpanel_bf16_tiles(int64_t format, const qpanel *p, int64_t u0, int64_t count, uint16_t *tiles) {
+    switch (format) { /* each case its own loop, the format's operations fixed at compile time */
+        case Q4_0: format_tiles(Q4_0, p, u0, count, tiles); break;
+        case Q4_1: format_tiles(Q4_1, p, u0, count, tiles); break;
+        case Q5_0: format_tiles(Q5_0, p, u0, count, tiles); break;
+        case Q5_1: format_tiles(Q5_1, p, u0, count, tiles); break;
+        case Q8_0: format_tiles(Q8_0, p, u0, count, tiles); break;
+        case Q4_K: format_tiles(Q4_K, p, u0, count, tiles); break;
+        case Q5_K: format_tiles(Q5_K, p, u0, count, tiles); break;
+        default: format_tiles(Q6_K, p, u0, count, tiles); break;
+    }
+}
+
+/* Units [u0, u0 + count) of a part's 16 columns from `first` as B tiles (quant.h): straight
    from a repacked Q4_0 / Q4_1 / Q8_0 panel, else through the GEMM's unpacking into `scratch`. */
 void part_bf16_tiles(const detinf_qpart *part, int64_t first, int64_t units, int64_t u0, int64_t count,
                      qpanel *scratch, uint16_t *tiles) {
@@ -167,19 +181,6 @@ void part_bf16_tiles(const detinf_qpart *part, int64_t first, int64_t units, int
     else {
         unpack_columns16(part, first, units, u0, count, scratch);
         qpanel_bf16_tiles(format, scratch, u0, count, tiles);
-    }
-}
-
-void qpanel_bf16_tiles(int64_t format, const qpanel *p, int64_t u0, int64_t count, uint16_t *tiles) {
-    switch (format) { /* each case its own loop, the format's operations fixed at compile time */
-        case Q4_0: format_tiles(Q4_0, p, u0, count, tiles); break;
-        case Q4_1: format_tiles(Q4_1, p, u0, count, tiles); break;
-        case Q5_0: format_tiles(Q5_0, p, u0, count, tiles); break;
-        case Q5_1: format_tiles(Q5_1, p, u0, count, tiles); break;
-        case Q8_0: format_tiles(Q8_0, p, u0, count, tiles); break;
-        case Q4_K: format_tiles(Q4_K, p, u0, count, tiles); break;
-        case Q5_K: format_tiles(Q5_K, p, u0, count, tiles); break;
-        default: format_tiles(Q6_K, p, u0, count, tiles); break;
     }
 }
 

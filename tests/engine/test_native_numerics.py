@@ -115,8 +115,9 @@ def test_negative_control_a_ragged_tile_path_is_caught(
 def test_a_quantized_file_runs_on_the_tiles_with_the_same_invariance(
     amx: NativeKernels, tiny_q8_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, restore_threads: None
 ) -> None:
-    """A Q8_0 GGUF under native numerics: its linears and head are dequantised to bf16 for the tiles (the
-    fingerprint's weight formats say bf16, the embedding stays as stored), and a prompt's bits still do not
+    """A Q8_0 GGUF under native numerics: its linears and head run on the tiles as bf16 weights, dequantised
+    into them as the GEMM reads them (the fingerprint's weight formats say bf16, the embedding stays as
+    stored), and a prompt's bits still do not
     depend on the batch, its position, chunking, preemption or threads; the ragged-tile build is caught
     on this file too."""
     engine = Engine(EngineConfig(dtype="bfloat16", selfcheck=False, **NATIVE), loaded=tiny_q8_loaded)

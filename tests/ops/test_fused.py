@@ -22,6 +22,7 @@ from deterministic_inference.model.decoder import DecoderModel
 from deterministic_inference.model.loader import load_model
 from deterministic_inference.ops.attention import AttentionMetadata, new_kv_cache
 from deterministic_inference.ops.fused import PHASES
+from deterministic_inference.ops.native import NativeKernels
 from deterministic_inference.ops.quant import TEST_BATCH_SCALE
 from tests.tiny_models import TinyModel
 
@@ -92,15 +93,10 @@ def test_fused_equals_per_op_on_the_bf16_gemm_with_biases(tiny_qwen2_dir: TinyMo
     assert same(run_steps(model, fused=True), run_steps(model, fused=False))
 
 
-def test_fused_runs_the_native_gemm_under_native_numerics() -> None:
+def test_fused_runs_the_native_gemm_under_native_numerics(amx: NativeKernels) -> None:
     """`--numerics native`: the fused path calls the per-op path's AMX-BF16 GEMM (the same bits), and
     those differ from the portable GEMM's, so a fused path that kept the portable GEMM would be seen. The
     default model with every weight dequantised to bf16 (--quantization none): every linear on the GEMM."""
-    from deterministic_inference.ops.native import native_kernels
-
-    missing = native_kernels().native_gemm_missing()
-    if missing is not None:
-        pytest.skip(f"--numerics native cannot run here: {missing}")
     loaded = load_model(None, "none")
     native = build_model(loaded, EngineConfig(quantization="none", numerics_mode="native"), "bfloat16", 128)
     assert native.fused is not None and native.layers[0].qkv.native_gemm
@@ -111,17 +107,12 @@ def test_fused_runs_the_native_gemm_under_native_numerics() -> None:
 
 
 def test_native_numerics_read_a_quantized_file_in_place_with_its_dequantised_bits(
-    tiny_q4_k_m_gguf: Path,
+    amx: NativeKernels, tiny_q4_k_m_gguf: Path
 ) -> None:
     """`--numerics native` on a quantized file (mixed K formats): the linears keep the blocks and dequantise
     them into the AMX-BF16 tiles; the fused path calls that GEMM (the per-op bits), and the bits are those
     of the same file loaded with `--quantization none` (every weight dequantised to bf16 at load) on the
     same tiles. The portable quantized GEMM's bits differ (so the test sees which GEMM ran)."""
-    from deterministic_inference.ops.native import native_kernels
-
-    missing = native_kernels().native_gemm_missing()
-    if missing is not None:
-        pytest.skip(f"--numerics native cannot run here: {missing}")
     path = str(tiny_q4_k_m_gguf)
     stored = build_model(load_model(path), EngineConfig(numerics_mode="native"), "bfloat16", 128)
     assert stored.fused is not None and stored.layers[0].qkv.quant_tiles is not None

@@ -126,10 +126,10 @@ def test_an_invariant_dense_linear_without_kernels_is_refused(dtype: torch.dtype
 def test_native_runs_quantized_weights_on_the_tiles_dequantised_to_bf16(
     amx: NativeKernels, fmt: str, threads: int
 ) -> None:
-    """`--numerics native` on a bf16 model: stacked quantized parts become one bf16 weight (each value
-    dequantised exactly, rounded to bf16 once) on the AMX-BF16 GEMM, bit for bit the linear built on that
-    dense weight, and a row's bits do not depend on the batch; the int8 GEMM's result differs (so the test
-    sees which path ran)."""
+    """`--numerics native` on a bf16 model: stacked quantized parts run on the AMX-BF16 GEMM as bf16 weights
+    (each value dequantised exactly, rounded to bf16 once, into the tiles), bit for bit the linear built on
+    that dense weight, and a row's bits do not depend on the batch; the int8 GEMM's result differs (so the
+    test sees which path ran)."""
     generator = torch.Generator().manual_seed(11)
     parts = [random_weight(fmt, rows, 256, generator) for rows in (48, 16)]
     native = Linear(parts, None, batch_invariant=True, kernels=amx, dtype=torch.bfloat16, native_gemm=True)

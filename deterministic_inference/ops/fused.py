@@ -83,7 +83,7 @@ class _Step(ctypes.Structure):
         *((name, _P) for name in ("write_blocks", "write_offsets", "block_ids", "row_table", "row_keys")),
         ("num_ids", _I64), ("num_blocks", _I64), ("block_size", _I64),
         *((name, _P) for name in ("normed", "qkv", "q32", "att32", "att", "delta", "gate_up", "act")),
-        ("phase_seconds", _P),
+        ("phase_seconds", _P), ("silu_table", _P),
     ]  # fmt: skip
 
 
@@ -171,6 +171,7 @@ class FusedDecoder:
         self.layers = tuple(layers)  # keeps every weight the structs point to alive
         self._structs = structs
         self._run = _library(kernels).detinf_decoder_layers
+        self._silu_table = kernels.silu_table  # detinf_silu_table's, read by every layer's silu_mul
         spec, dtype = layers[0].spec, layers[0].ops.numerics.dtype
         self.spec, self.dtype = spec, dtype
         self._bound: tuple[torch.Tensor, ...] = ()  # the cache tensors the structs point to (checked)
@@ -307,6 +308,7 @@ class FusedDecoder:
             rotary.cos.data_ptr(), rotary.sin.data_ptr(), rotary.cos.shape[0],
             *(t.data_ptr() for t in index[1:]), meta.block_ids.shape[0], keys.shape[0], keys.shape[3], normed,
             qkv, q32, att32, att, delta, gate_up, act, self._phase_pointer(),
+            self._silu_table.data_ptr(),
         )  # fmt: skip
         return step, [*index, scratch]
 

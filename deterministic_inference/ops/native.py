@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from deterministic_inference.ops.kv_format import Q8_DTYPE, Q8_GROUP, cache_code, cache_head_dim, cache_shapes
 from deterministic_inference.ops.native_build import build, isa_flags
+
+SILU_TABLE_ENTRIES = 65537  # rowwise.c's: one per bf16 value, and one so a gather at the last stays inside
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,9 @@ class NativeKernels:
     library: ctypes.CDLL
     path: Path
     digest: str  # sha256 of source + flags + compiler version (first 16 hex digits)
+    # rowwise.c's detinf_silu_table: silu of every bf16 gate, as bf16 bits [SILU_TABLE_ENTRIES] (built at
+    # load, never written after)
+    silu_table: torch.Tensor = field(compare=False)
 
     def attention(
         self,
@@ -102,12 +107,9 @@ class NativeKernels:
             raise ValueError("silu_mul: gate_up must be [M, 2 * intermediate]")
         out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
         self.library.detinf_silu_mul(
-            gate_up.data_ptr(),
-            out.data_ptr(),
-            out.shape[0],
-            out.shape[1],
-            int(gate_up.dtype == torch.bfloat16),
-        )
+            gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1],
+            int(gate_up.dtype == torch.bfloat16), self.silu_table.data_ptr(),
+        )  # fmt: skip
         return out
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -327,7 +329,9 @@ def load(path: Path) -> NativeKernels:
         ctypes.c_int,
     ]
     library.detinf_silu_mul.restype = None
-    library.detinf_silu_mul.argtypes = [pointer, pointer, i64, i64, ctypes.c_int]
+    library.detinf_silu_mul.argtypes = [pointer, pointer, i64, i64, ctypes.c_int, pointer]
+    library.detinf_silu_table.restype = None
+    library.detinf_silu_table.argtypes = [pointer]
     library.detinf_gelu_tanh_mul.restype = None
     library.detinf_gelu_tanh_mul.argtypes = [pointer, pointer, i64, i64, ctypes.c_int]
     library.detinf_softcap.restype = None
@@ -347,7 +351,9 @@ def load(path: Path) -> NativeKernels:
     library.detinf_exp_nonpositive.restype = ctypes.c_float
     library.detinf_exp_nonpositive.argtypes = [ctypes.c_float]
     _declare_portable(library)
-    return NativeKernels(library, path, path.stem.removeprefix("attention-"))
+    silu_table = torch.empty(SILU_TABLE_ENTRIES, dtype=torch.int16)
+    library.detinf_silu_table(silu_table.data_ptr())
+    return NativeKernels(library, path, path.stem.removeprefix("attention-"), silu_table)
 
 
 def _declare_portable(library: ctypes.CDLL) -> None:

@@ -387,6 +387,36 @@ def test_silu_mul_at_the_clamps_zeros_and_denormals(kernels: NativeKernels, dtyp
     assert torch.equal(bits(out[tiny]), bits(expected_tiny[tiny]))
 
 
+def _silu_mul_raw(kernels: NativeKernels, gate_up: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
+    """detinf_silu_mul on bf16 gate_up [M, 2I] with `table` (None: every value computed)."""
+    out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=torch.bfloat16)
+    pointer = None if table is None else table.data_ptr()
+    rows, inter = out.shape
+    kernels.library.detinf_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, 1, pointer)
+    return out
+
+
+@pytest.mark.parametrize("inter", [INTER, 8195])
+def test_silu_table_gives_the_computed_bits_for_every_bf16_gate(kernels: NativeKernels, inter: int) -> None:
+    """silu_mul reads silu of a bf16 gate from a table of all 65536 (rowwise.c detinf_silu_table): for every
+    gate bit pattern (NaNs, infinities, denormals, both zeros) times ups of both signs, tiny and huge
+    ones included, the bits equal those of computing each value, in the AVX-512 loop and its scalar tail
+    (rows of 1536 and of 8195 values). Negative control: a table with one entry off by one ulp is caught."""
+    gates = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    generator = torch.Generator().manual_seed(7)
+    ups = torch.randn(65536, generator=generator) * torch.tensor([1e-38, 1e-3, 1.0, 1e30]).repeat(16384)
+    pad = -65536 % inter  # whole rows; the padding gates repeat the first ones
+    gate_rows = torch.cat([gates, gates[:pad]]).view(-1, inter)
+    up_rows = torch.cat([ups, ups[:pad]]).to(torch.bfloat16).view(-1, inter)
+    gate_up = torch.cat([gate_rows, up_rows], dim=1).contiguous()
+    computed = _silu_mul_raw(kernels, gate_up, None)
+    assert torch.equal(bits(_silu_mul_raw(kernels, gate_up, kernels.silu_table)), bits(computed))
+    assert torch.equal(bits(kernels.silu_mul(gate_up)), bits(computed))
+    wrong = kernels.silu_table.clone()
+    wrong[0x3F82] += 1  # the gate 1.015625, whose up has scale 1 (index 2 mod 4)
+    assert not torch.equal(bits(_silu_mul_raw(kernels, gate_up, wrong)), bits(computed))
+
+
 # --- 4. inputs the C code would misread are refused
 
 

@@ -20,7 +20,8 @@
 
 void detinf_add_rms_norm(void *hidden, const void *delta, const void *weight, void *out, int64_t rows,
                          int64_t width, float eps, int model_bf16);
-void detinf_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int model_bf16);
+void detinf_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int model_bf16,
+                     const uint16_t *table);
 int detinf_rotary_write_kv(const void *qkv, const int64_t *positions, const float *cos_table,
                            const float *sin_table, const int64_t *write_blocks, const int64_t *write_offsets,
                            float *q_out, void *k_cache, void *v_cache, int64_t tokens, int64_t heads,
@@ -79,6 +80,7 @@ typedef struct {
     void *gate_up;                      /* [T, 2 I] model dtype */
     void *act;                          /* [T, I] model dtype */
     double *phase_seconds;              /* NULL, or [PHASE_COUNT] seconds added per phase (profiling) */
+    const uint16_t *silu_table;         /* detinf_silu_table's (rowwise.c), or NULL */
 } detinf_step;
 
 /* The phases bench/profile_engine.py reports: wall seconds of each call, summed over the layers. */
@@ -173,7 +175,7 @@ static int run_layer(const detinf_layer *layer, const detinf_step *s, void *hidd
     PHASE(s, PHASE_NORM, detinf_add_rms_norm(hidden, s->delta, layer->post_norm, s->normed, t, s->hidden, s->eps, bf16));
     PHASE(s, PHASE_GATE_UP, status = run_linear(&layer->gate_up, s->normed, t, bf16, s->gate_up, flags));
     if (status) return status;
-    PHASE(s, PHASE_SILU, detinf_silu_mul(s->gate_up, s->act, t, s->inter, bf16));
+    PHASE(s, PHASE_SILU, detinf_silu_mul(s->gate_up, s->act, t, s->inter, bf16, s->silu_table));
     PHASE(s, PHASE_DOWN, status = run_linear(&layer->down, s->act, t, bf16, pending, flags));
     return status;
 }

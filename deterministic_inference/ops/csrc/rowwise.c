@@ -35,8 +35,8 @@ static inline void store_act(void *base, int64_t i, float value, int bf16) {
 /* RMSNorm's bf16 rows on 16-lane AVX-512 registers: lane l holds element base + l, every lane op the
    scalar one below (the integer round-to-nearest-even of f32_to_bf16 with its NaN rule, IEEE adds and
    multiplies), the 16 lane sums kept in one register, tails under a mask. So the bits are the scalar
-   loops'; the tests compare builds with and without AVX-512. (SiLU gains nothing from this: the
-   compiler's 512-bit loop is as fast, bound by the divides.) */
+   loops'; the tests compare builds with and without AVX-512. (SiLU's computed loop gains nothing from
+   this, bound by the divides; its table loop below uses these helpers.) */
 static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 live) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
@@ -125,21 +125,58 @@ void detinf_add_rms_norm(void *hidden, const void *delta, const void *weight, vo
     }
 }
 
-/* out[r, j] = round(silu(gate[r, j])) * up[r, j] with gate = gate_up[r, :inter], up = gate_up[r, inter:]
-   and silu(g) = g / (1 + exp(-g)) in fp32, as ops/activation.py did with torch ops. */
+/* silu(g) = g / (1 + exp(-g)) in fp32, rounded as the model dtype stores it (ops/activation.py did this with
+   torch ops). */
+INLINE float silu_act(float gate, int model_bf16) {
+    return round_act(gate / (exp_clamped(-gate) + 1.0f), model_bf16);
+}
+
+/* table[h] = silu_act of the bf16 value with bits h, as bf16 bits, for every h (and table[65536] = 0, so a
+   32-bit gather at h = 65535 stays inside): SILU_TABLE_ENTRIES values, ops/native.py builds it once per
+   loaded library. A bf16 gate has only 65536 values, and silu_act of one is a fixed function of its bits,
+   so looking it up gives the bits of computing it (the tests compare both ways over every gate). */
+#define SILU_TABLE_ENTRIES 65537
+void detinf_silu_table(uint16_t *table) {
+    for (int32_t bits = 0; bits < 65536; bits++) table[bits] = f32_to_bf16(silu_act(bf16_to_f32((uint16_t)bits), 1));
+    table[65536] = 0;
+}
+
+/* out[r, j] = round(silu(gate[r, j])) * up[r, j] with gate = gate_up[r, :inter], up = gate_up[r, inter:]. */
 INLINE void silu_mul_row(const void *gate_up, void *out, int64_t r, int64_t inter, int model_bf16) {
     const int64_t in_base = r * 2 * inter, out_base = r * inter;
     for (int64_t j = 0; j < inter; j++) {
-        const float gate = load_act(gate_up, in_base + j, model_bf16);
-        const float act = round_act(gate / (exp_clamped(-gate) + 1.0f), model_bf16);
+        const float act = silu_act(load_act(gate_up, in_base + j, model_bf16), model_bf16);
         store_act(out, out_base + j, act * load_act(gate_up, in_base + inter + j, model_bf16), model_bf16);
     }
 }
 
-void detinf_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int model_bf16) {
+/* silu_mul_row of a bf16 row with silu_act read from detinf_silu_table's `table`: the same bits, without the
+   division and exp that bound the computed loop (~2 cycles a value). 16 lanes at a time where the build has
+   AVX-512 (a gather of the 16 gates' entries; the product and its rounding lane by lane as below). */
+static void silu_mul_row_table(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t inter,
+                               const uint16_t *table) {
+    int64_t j = 0;
+#if defined(ROWWISE_BF16_512)
+    for (; j + 16 <= inter; j += 16) {
+        const __m512i index = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gate + j)));
+        const __m512i entry = _mm512_i32gather_epi32(index, (const void *)table, 2); /* low 16 bits: table[g] */
+        const __m512 act = _mm512_castsi512_ps(_mm512_slli_epi32(entry, 16));
+        store_bf16x16(out + j, _mm512_mul_ps(act, load_bf16x16(up + j, 0xFFFF)), 0xFFFF);
+    }
+#endif
+    for (; j < inter; j++) out[j] = f32_to_bf16(bf16_to_f32(table[gate[j]]) * bf16_to_f32(up[j]));
+}
+
+/* gate_up [rows, 2 inter] -> out [rows, inter], rows shared out between the threads (each row whole on one).
+   `table`: detinf_silu_table's, or NULL to compute every value (bf16 models only read it). */
+void detinf_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int model_bf16,
+                     const uint16_t *table) {
 #pragma omp parallel for schedule(static) if (rows >= 32)
     for (int64_t r = 0; r < rows; r++) {
-        if (model_bf16) silu_mul_row(gate_up, out, r, inter, 1);
+        if (model_bf16 && table != NULL) {
+            const uint16_t *row = (const uint16_t *)gate_up + r * 2 * inter;
+            silu_mul_row_table(row, row + inter, (uint16_t *)out + r * inter, inter, table);
+        } else if (model_bf16) silu_mul_row(gate_up, out, r, inter, 1);
         else silu_mul_row(gate_up, out, r, inter, 0);
     }
 }

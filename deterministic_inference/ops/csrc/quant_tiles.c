@@ -8,8 +8,9 @@
      Q8_0  d * q (the stored int8)     Q4_0  d * (q - 8)        Q5_0  d * (q - 16)
      Q4_1, Q5_1  (d * q) + m                        Q4_K, Q5_K  ((d * sc_j) * q) - (dmin * m_j)
      Q6_K  (d * sc) * (q - 32)
-   each product or sum one IEEE fp32 rounding (the kernels are built with -ffp-contract=off and no fused
-   multiply-add is written here), the integers converted exactly; then rounded to bf16 as f32_to_bf16 does
+   each product or sum one IEEE fp32 rounding (the kernels are built with -ffp-contract=off; the one fused
+   multiply-add written here, in `dequantised`, rounds an exact product and a sum once, as the two
+   operations do), the integers converted exactly; then rounded to bf16 as f32_to_bf16 does
    (bf16_bits16, lane by lane), and a bf16 denormal becomes a signed zero as the packer makes it. The tests
    compare the tiles' GEMM with the GEMM on the dequantised, packed weight, bit for bit; their negative
    control, DETINF_TEST_TILES_TRUNCATE (never set by the package), cuts each value to bf16 instead of
@@ -49,13 +50,17 @@ INLINE unit_factors factors_of(int64_t format, const qpanel *p, int64_t u0, int6
     return f;
 }
 
-/* Value l of the unit for the 16 columns, from its unsigned integers q, in fp32 (the operations above). */
+/* Value l of the unit for the 16 columns, from its unsigned integers q, in fp32 (the operations above).
+   Where a sum follows the product (Q4_1, Q5_1, Q4_K, Q5_K), one fused multiply-add gives the same bits as
+   the two roundings: the product is exact, so its rounding changes nothing. An fp16 scale has at most 11
+   significant bits and q at most 5 (Q4_K / Q5_K: d * sc_j is exact too, 11 + 6 bits, then times q, 22
+   bits), all within fp32's 24, and no product can overflow or fall below fp32's normals. */
 INLINE __m512 dequantised(int64_t format, __m512i q, int32_t offset, const unit_factors *f, int l) {
     const __m512i shifted = offset ? _mm512_sub_epi32(q, _mm512_set1_epi32(offset)) : q;
-    __m512 value = _mm512_mul_ps(f->scale[l / 16], _mm512_cvtepi32_ps(shifted));
-    if (format_has_min(format)) value = _mm512_add_ps(value, f->minimum);
-    else if (format == Q4_K || format == Q5_K) value = _mm512_sub_ps(value, f->minimum);
-    return value;
+    const __m512 scale = f->scale[l / 16], integer = _mm512_cvtepi32_ps(shifted);
+    if (format_has_min(format)) return _mm512_fmadd_ps(scale, integer, f->minimum);
+    if (format == Q4_K || format == Q5_K) return _mm512_fmsub_ps(scale, integer, f->minimum);
+    return _mm512_mul_ps(scale, integer);
 }
 
 /* The packer's bf16 bits of a value (low 16 bits of each lane): f32_to_bf16, a denormal to a signed zero. */

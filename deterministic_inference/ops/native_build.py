@@ -49,7 +49,7 @@ SOURCES = (  # compiled together; decoder.c is the decode fast path (ops/fused.p
 HEADERS = (
     _CSRC / "common.h", _CSRC / "attention.h", _CSRC / "quant.h", _CSRC / "quant512.h",
     _CSRC / "portable_math.h", _CSRC / "gemm_fma.h", _CSRC / "gemm_amx.h", _CSRC / "gemm_amx_chunked.h",
-    _CSRC / "kv_q8.h",
+    _CSRC / "gemm_amx_quant.h", _CSRC / "kv_q8.h",
 )  # fmt: skip
 # -fopenmp: rows are shared out between OpenMP threads. torch is imported first and has loaded its own
 # libgomp.so.1, which the kernels' libgomp.so.1 dependency then resolves to: one thread pool, sized by

@@ -249,32 +249,7 @@ typedef struct {
     int out_bf16;
 } amx_dest;
 
-/* A thread's scratch for a quantized weight: one unpacked chunk, and the dequantised B tiles. */
-typedef struct {
-    qpanel chunk;
-    uint16_t *tiles;
-} amx_scratch;
-
-/* Blocks [b0, b0 + B) x K steps [s0, s1) of op's quantized weight dequantised into scratch->tiles as B tiles
-   [B][s1 - s0][16 pairs][16][2] (the packed bf16 layout: part_bf16_tiles gives the packer's bits), and op
-   pointed at them. A K step is one 32-value unit; s0 is a multiple of 8 (a K super-block) on both paths. */
-static void amx_dequant(amx_operands *op, int64_t b0, int B, int64_t s0, int64_t s1, amx_scratch *scratch) {
-    const amx_quant *q = op->quant;
-    for (int j = 0; j < B; j++) {
-        int64_t first = (b0 + j) * LANES, part = 0; /* the block's first column, within its part */
-        while (part + 1 < q->nparts && first >= q->parts[part].cols) first -= q->parts[part++].cols;
-        for (int64_t u = s0; u < s1; u += CHUNK_UNITS) {
-            const int64_t count = s1 - u < CHUNK_UNITS ? s1 - u : CHUNK_UNITS;
-            part_bf16_tiles(&q->parts[part], first, q->units, u, count, &scratch->chunk,
-                            scratch->tiles + (j * (s1 - s0) + u - s0) * (AMX_TILE_BYTES / 2));
-        }
-    }
-    op->packed = scratch->tiles;
-    op->block_stride = (s1 - s0) * AMX_STEP_PAIRS * 32;
-    op->first_block = b0;
-    op->first_step = s0;
-}
-
+#include "gemm_amx_quant.h"   /* a quantized weight read in place: each panel dequantised into B tiles */
 #include "gemm_amx_chunked.h" /* the path of large calls (K in chunks, accumulators spilled exactly) */
 
 /* Row tiles [t0, t1) of x [m, k] -> xa [row_tiles][steps][16][32], zero padded (rows and K). Denormals are
@@ -333,13 +308,6 @@ static void amx_thread_part(const uint16_t *x, int64_t m, int64_t k, const amx_o
         if (op->quant) amx_dequant(&panel_op, b0, B, 0, op->steps, scratch);
         amx_panel(&panel_op, m, row_tiles, b0, B, dest->n, dest->bias, dest->out, dest->out_bf16, split_parts);
     }
-}
-
-/* Per-thread scratch of a quantized weight's calls: the unpacked chunk, then the dequantised B tiles of a
-   panel (all of K, 4 blocks) or of a chunk (AMX_CHUNK_STEPS steps, up to AMX_WIDE_BLOCKS blocks). */
-static size_t amx_scratch_bytes(int64_t steps) {
-    const int64_t panel = BLOCKS_PER_PANEL * steps, chunk = AMX_WIDE_BLOCKS * AMX_CHUNK_STEPS;
-    return qpanel_bytes() + (size_t)(panel > chunk ? panel : chunk) * AMX_TILE_BYTES;
 }
 
 /* detinf_gemm_bf16's arguments on the AMX tiles, the weight packed bf16 (quant NULL) or quantized (packed NULL).

@@ -302,7 +302,8 @@ static void amx_thread_part(const uint16_t *x, int64_t m, int64_t k, const amx_o
         const int B = (int)(hi - b0 < panel_blocks ? hi - b0 : panel_blocks);
         amx_operands panel_op = *op;
         if (chunked) {
-            amx_chunked_panel(&panel_op, m, row_tiles, b0, B, dest, chunk_sums, scratch);
+            const int64_t next_blocks = hi - b0 - B < panel_blocks ? hi - b0 - B : panel_blocks;
+            amx_chunked_panel(&panel_op, m, row_tiles, b0, B, next_blocks, dest, chunk_sums, scratch);
             continue;
         }
         if (op->quant) amx_dequant(&panel_op, b0, B, 0, op->steps, scratch);

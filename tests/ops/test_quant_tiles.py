@@ -86,6 +86,23 @@ def test_parts_that_would_split_a_block_are_dequantised_at_load(amx: NativeKerne
         QuantLinear(amx, blocks, bias=None, out_dtype=torch.float32).on_tiles(x)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_units_with_infinite_nan_or_extreme_scales_keep_the_bits(amx: NativeKernels, fmt: str) -> None:
+    """Scales of any finite fp16 (subnormals, zeros, 65504), and a few +-inf and NaN scales as a hostile file
+    may hold: a unit with one takes the lane-by-lane rounding instead of VCVTNE2PS2BF16, and its finite
+    columns must still land where the packer puts them. Repacked (Q4_0, Q4_1, Q8_0) and unpacked formats."""
+    generator = torch.Generator().manual_seed(12)
+    weight = random_weight(fmt, 48, K, generator, wide=True)
+    blocks = weight.data.view(-1, weight.fmt.block_bytes)
+    scale = 208 if fmt == "Q6_K" else 0  # the block's (first) fp16 scale
+    for value, every in ((0x7C00, 7), (0xFC00, 11), (0x7E00, 13)):  # +inf, -inf, NaN: in some units
+        blocks[::every, scale : scale + 2] = torch.tensor([value & 0xFF, value >> 8], dtype=torch.uint8)
+    stored, reference = _pair(amx, [weight], torch.float32)
+    assert stored.quant_tiles is not None
+    x = torch.randn(21, K, generator=generator).bfloat16()
+    assert torch.equal(bits(stored(x)), bits(reference(x)))
+
+
 @pytest.fixture(scope="module")
 def truncating_build(amx: NativeKernels, build_dir: Path) -> NativeKernels:
     """The negative control: dequantised values cut to bf16, not rounded (a test-only -D build)."""

@@ -42,7 +42,7 @@
 #ifndef DETINF_GEMM_AMX_H
 #define DETINF_GEMM_AMX_H
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(DETINF_Q_AVX512) /* quant.h: AVX-512 BW, VL */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(DETINF_Q_TILES) /* quant.h: AVX-512 BW, VL, VBMI */
 #include <immintrin.h>
 #include <omp.h>
 

@@ -261,7 +261,8 @@ int detinf_quant_gemm(const void *x, int64_t m, int64_t k, int x_bf16, const det
 size_t qpanel_bytes(void);
 void qpanel_layout(uint8_t *base, qpanel *p);
 void unpack_columns16(const detinf_qpart *part, int64_t first, int64_t units, int64_t u0, int64_t count, qpanel *p);
-#if defined(DETINF_Q_AVX512)
+#if defined(DETINF_Q_AVX512) && defined(__AVX512VBMI__) /* every CPU with AMX has VBMI */
+#define DETINF_Q_TILES 1
 /* quant_tiles.c: units [u0, u0 + count) of a part's 16 columns from `first`, dequantised as detinf_dequantize
    does, rounded to bf16 and laid out as AMX-BF16 B tiles [count][16 pairs][16 columns][2] (the packed bf16
    weight's layout): repacked Q4_0 / Q4_1 / Q8_0 read straight from their panel, the rest unpacked into

@@ -18,7 +18,7 @@
 
 #include "quant512.h" /* quant.h, and halves16 */
 
-#if defined(DETINF_Q_AVX512)
+#if defined(DETINF_Q_TILES) /* quant.h: AVX-512 BW, VL, VNNI and VBMI (one byte permutation per half row) */
 
 /* The per-unit factors of 16 columns: value = scale[half] * (q - offset), then + add or - subtract. */
 typedef struct {
@@ -70,25 +70,22 @@ INLINE __m512i packed_bits(__m512 value) {
     return _mm512_mask_and_epi32(bits, denormal, bits, _mm512_set1_epi32(0x8000));
 }
 
-/* One tile row (pair 2g + h of the 16 columns): values a (low half of each lane) and b (high half).
+/* One tile row (16 columns x a pair of K values) from its values in the tile's own order: lane 2c + j of `a`
+   holds value j of the pair for column c (columns 0..7), the same lane of `b` for column c + 8. So the 32
+   bf16 words are a's lanes then b's.
    `finite`: the unit's factors are finite, so every value is a finite multiple of 2^-24 (the fp16 scales'
    quantum times integers), never NaN nor below bf16's smallest normal: then VCVTNE2PS2BF16's rounding (to
    nearest even; it reads denormals as zero and quiets NaNs its own way, neither of which can occur) gives
-   f32_to_bf16's bits, and one VPERMW puts each column's two values side by side. Otherwise the bits are
-   computed lane by lane as the packer's. */
+   f32_to_bf16's bits. Otherwise the bits are computed lane by lane as the packer's. */
 INLINE __m512i tile_row(__m512 a, __m512 b, int finite) {
 #if defined(DETINF_TEST_TILES_TRUNCATE) /* negative control (tests only): bf16 by truncation, not rounding */
-    const __m512i low = _mm512_set1_epi32(0xFFFF);
-    return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(a), 16), low),
-                           _mm512_andnot_si512(low, _mm512_castps_si512(b)));
+    const __m512i low = _mm512_srli_epi32(_mm512_castps_si512(a), 16);
+    const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(b), 16);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(low)), _mm512_cvtepi32_epi16(high), 1);
 #endif
-    if (finite) {
-        const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(b, a); /* words 0..15 from a, 16..31 from b */
-        const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                                    23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-        return _mm512_permutexvar_epi16(interleave, halves);
-    }
-    return _mm512_or_si512(packed_bits(a), _mm512_slli_epi32(packed_bits(b), 16));
+    if (finite) return (__m512i)_mm512_cvtne2ps_pbh(b, a);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(packed_bits(a))),
+                              _mm512_cvtepi32_epi16(packed_bits(b)), 1);
 }
 
 /* Whether every factor of the unit is finite (one class test per vector: NaN or infinity). */
@@ -98,22 +95,60 @@ INLINE int factors_finite(int64_t format, const unit_factors *f) {
     return bad == 0;
 }
 
+/* A unit's factors in tile_row's lane order: half[0] for columns 0..7 (lanes 2c and 2c + 1: column c),
+   half[1] for columns 8..15. */
+typedef struct {
+    unit_factors half[2];
+} paired_factors;
+
+INLINE paired_factors pair_factors(const unit_factors *f) {
+    paired_factors paired;
+    for (int h = 0; h < 2; h++) {
+        const __m512i column = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+        const __m512i index = _mm512_add_epi32(column, _mm512_set1_epi32(8 * h));
+        for (int s = 0; s < 2; s++) paired.half[h].scale[s] = _mm512_permutexvar_ps(index, f->scale[s]);
+        paired.half[h].minimum = _mm512_permutexvar_ps(index, f->minimum);
+    }
+    return paired;
+}
+
+/* unit_tile's rows with `finite` a literal: each case its own unrolled loop, so the scale of each value is
+   known at compile time and no test of `finite` sits in the loop. One byte permutation puts the integers of
+   a tile row's half (8 columns x 2 values, from 8 of the 32-bit lanes of words[g]) in the lane order of
+   tile_row, zero extended. */
+INLINE void unit_tile_rows(int64_t format, const paired_factors *f, const __m512i *words, uint16_t *tile,
+                           int finite) {
+    const int32_t offset = format == Q6_K ? 32 : format_offset(format);
+    const __mmask64 low_bytes = 0x1111111111111111ull;
+    __m512i pick[2][2]; /* [value pair h of the 4 in a lane][column half]: byte 4 (c + 8 half) + 2 h + j */
+    for (int h = 0; h < 2; h++)
+        for (int half = 0; half < 2; half++) {
+            int8_t bytes[64] = {0};
+            for (int lane = 0; lane < 16; lane++)
+                bytes[4 * lane] = (int8_t)(4 * (lane / 2 + 8 * half) + 2 * h + lane % 2);
+            pick[h][half] = _mm512_loadu_si512(bytes);
+        }
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) { /* tile rows 2g + h: values 4g + 2h, 4g + 2h + 1 of every column */
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m512 value[2];
+#pragma GCC unroll 2
+            for (int half = 0; half < 2; half++) {
+                const __m512i q = _mm512_maskz_permutexvar_epi8(low_bytes, pick[h][half], words[g]);
+                value[half] = dequantised(format, q, offset, &f->half[half], 4 * g + 2 * h);
+            }
+            _mm512_storeu_si512(tile + (2 * g + h) * 32, tile_row(value[0], value[1], finite));
+        }
+    }
+}
+
 /* One unit's B tile [16 pairs][16 columns][2] from its 8 groups of values (words[g]: values 4g .. 4g + 3 of each
    column, one byte each, in the column's 32-bit lane: the unpacked layout of quant.h). */
 INLINE void unit_tile(int64_t format, const unit_factors *f, const __m512i *words, uint16_t *tile) {
-    const int32_t offset = format == Q6_K ? 32 : format_offset(format);
-    const int finite = factors_finite(format, f);
-    const __m512i byte = _mm512_set1_epi32(0xFF);
-    for (int g = 0; g < 8; g++) { /* pairs 2g and 2g + 1 */
-        __m512 value[4];
-        for (int v = 0; v < 4; v++) {
-            const __m512i q = v == 3 ? _mm512_srli_epi32(words[g], 24)
-                                     : _mm512_and_si512(v ? _mm512_srli_epi32(words[g], 8 * v) : words[g], byte);
-            value[v] = dequantised(format, q, offset, f, 4 * g + v);
-        }
-        _mm512_storeu_si512(tile + (2 * g) * 32, tile_row(value[0], value[1], finite));
-        _mm512_storeu_si512(tile + (2 * g + 1) * 32, tile_row(value[2], value[3], finite));
-    }
+    const paired_factors paired = pair_factors(f);
+    if (factors_finite(format, f)) unit_tile_rows(format, &paired, words, tile, 1);
+    else unit_tile_rows(format, &paired, words, tile, 0);
 }
 
 INLINE void format_tiles(int64_t format, const qpanel *p, int64_t u0, int64_t count, uint16_t *tiles) {

@@ -233,7 +233,8 @@ static void amx_panel(const amx_operands *op, int64_t m, int64_t row_tiles, int6
                     amx_split_k(op, tt, b0 + bb + j, split_parts,
                                 tile + (tt - t) * AMX_TILE_ROWS * PANEL_COLS + j * LANES);
 #else
-            if (two) amx_block22(op, t, 1, b0 + bb, nb, 0, op->steps, tile, PANEL_COLS * (int)sizeof(float), 1);
+            /* a quantized panel's tiles were just written to this thread's scratch: prefetching them cost ~10% */
+            if (two) amx_block22(op, t, 1, b0 + bb, nb, 0, op->steps, tile, PANEL_COLS * (int)sizeof(float), !op->quant);
             else amx_rows16(op, t, b0 + bb, nb, tile);
 #endif
             store_tile(tile, (int)rows, r0, c0, cols, n, bias, out, out_bf16);

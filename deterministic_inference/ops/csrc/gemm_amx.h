@@ -234,7 +234,8 @@ static void amx_panel(const amx_operands *op, int64_t m, int64_t row_tiles, int6
                                 tile + (tt - t) * AMX_TILE_ROWS * PANEL_COLS + j * LANES);
 #else
             /* a quantized panel's tiles were just written to this thread's scratch: prefetching them cost ~10% */
-            if (two) amx_block22(op, t, 1, b0 + bb, nb, 0, op->steps, tile, PANEL_COLS * (int)sizeof(float), !op->quant);
+            const int stride = PANEL_COLS * (int)sizeof(float);
+            if (two) amx_block22(op, t, 1, b0 + bb, nb, 0, op->steps, tile, stride, !op->quant);
             else amx_rows16(op, t, b0 + bb, nb, tile);
 #endif
             store_tile(tile, (int)rows, r0, c0, cols, n, bias, out, out_bf16);
@@ -253,17 +254,19 @@ typedef struct {
 #include "gemm_amx_quant.h"   /* a quantized weight read in place: each panel dequantised into B tiles */
 #include "gemm_amx_chunked.h" /* the path of large calls (K in chunks, accumulators spilled exactly) */
 
-/* Row tiles [t0, t1) of x [m, k] -> xa [row_tiles][steps][16][32], zero padded (rows and K). Denormals are
-   left as they are: TDPBF16PS reads them as zero. */
+/* Row tiles [t0, t1) of x [m, k] -> xa [row_tiles][steps][16][32], zero padded (rows and K): each 32-value
+   piece one masked load and store (rows past m load nothing). Denormals are left as they are: TDPBF16PS reads
+   them as zero. */
 static void amx_pad_rows(const uint16_t *x, int64_t m, int64_t k, int64_t t0, int64_t t1, int64_t steps,
                          uint16_t *xa) {
-    memset(xa + t0 * steps * AMX_A_TILE_ELEMS, 0, (size_t)((t1 - t0) * steps * AMX_A_TILE_ELEMS) * sizeof(uint16_t));
-    const int64_t r1 = t1 * AMX_TILE_ROWS < m ? t1 * AMX_TILE_ROWS : m;
-    for (int64_t r = t0 * AMX_TILE_ROWS; r < r1; r++) {
+    for (int64_t r = t0 * AMX_TILE_ROWS; r < t1 * AMX_TILE_ROWS; r++) {
         uint16_t *row = xa + (r / AMX_TILE_ROWS * steps * AMX_TILE_ROWS + r % AMX_TILE_ROWS) * AMX_K_STEP;
+        const uint16_t *source = r < m ? x + r * k : x;
         for (int64_t s = 0; s < steps; s++) {
-            const int64_t first = s * AMX_K_STEP, count = k - first < AMX_K_STEP ? k - first : AMX_K_STEP;
-            memcpy(row + s * AMX_A_TILE_ELEMS, x + r * k + first, (size_t)count * sizeof(uint16_t));
+            const int64_t first = s * AMX_K_STEP, left = r < m ? k - first : 0;
+            const __mmask32 live = left >= AMX_K_STEP ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1u);
+            const __m512i piece = _mm512_maskz_loadu_epi16(live, source + (r < m ? first : 0));
+            _mm512_storeu_si512(row + s * AMX_A_TILE_ELEMS, piece);
         }
     }
 }

@@ -103,7 +103,8 @@ INLINE void amx_prefetch_b(const amx_operands *op, int64_t b, int64_t s) {
     for (int line = 0; line < AMX_TILE_BYTES; line += 64) _mm_prefetch(tile + line, _MM_HINT_T0);
 }
 
-/* 16 rows (row tile t) x up to 4 blocks from block b0: C tiles 0..nb-1; A tile 4; B tiles 6, 7. */
+/* 16 rows (row tile t) x up to 4 blocks from block b0: C tiles 0..nb-1; A tile 4; B tiles 6, 7, each read once
+   (streamed: TILELOADDT1). */
 static void amx_rows16(const amx_operands *op, int64_t t, int64_t b0, int nb, float *tile) {
     _tile_zero(0);
     _tile_zero(1);
@@ -111,18 +112,18 @@ static void amx_rows16(const amx_operands *op, int64_t t, int64_t b0, int nb, fl
     _tile_zero(3);
     for (int64_t s = 0; s < op->steps; s++) {
         _tile_loadd(4, amx_a(op, t, s), 64);
-        _tile_loadd(6, amx_b(op, b0, s), 64);
+        _tile_stream_loadd(6, amx_b(op, b0, s), 64);
         _tile_dpbf16ps(0, 4, 6);
         if (nb > 1) {
-            _tile_loadd(7, amx_b(op, b0 + 1, s), 64);
+            _tile_stream_loadd(7, amx_b(op, b0 + 1, s), 64);
             _tile_dpbf16ps(1, 4, 7);
         }
         if (nb > 2) {
-            _tile_loadd(6, amx_b(op, b0 + 2, s), 64);
+            _tile_stream_loadd(6, amx_b(op, b0 + 2, s), 64);
             _tile_dpbf16ps(2, 4, 6);
         }
         if (nb > 3) {
-            _tile_loadd(7, amx_b(op, b0 + 3, s), 64);
+            _tile_stream_loadd(7, amx_b(op, b0 + 3, s), 64);
             _tile_dpbf16ps(3, 4, 7);
         }
     }
@@ -136,11 +137,20 @@ static void amx_rows16(const amx_operands *op, int64_t t, int64_t b0, int nb, fl
 /* Row tiles t, t + two x blocks b0, b0 + nb - 1 (two, nb - 1 in {0, 1}; a missing partner repeats its
    neighbour, and its sums land in columns or rows the caller never reads) over K steps [s0, s1): the
    accumulators start at zero (s0 == 0) or at the fp32 sums a previous chunk left in acc, and are stored
-   to acc (row stride acc_stride bytes). The small calls' path runs it over all of K (s0 = 0, s1 = steps,
-   with B prefetch); the chunked path chunk by chunk (gemm_amx_chunked.h). C tiles 2i + j; A tiles 4, 5;
-   B tiles 6, 7. */
+   to acc (row stride acc_stride bytes). The small calls' path runs it over all of K (s0 = 0, s1 = steps), its
+   B tiles streamed (TILELOADDT1: the panel's B is read from L2 for every row pair, and so leaves the row
+   pair's A tiles in L1 for the next block pair; 8.6 -> 7.0 ns a TDPBF16PS at K = 576), and prefetched for a
+   bf16 weight; the chunked path chunk by chunk (gemm_amx_chunked.h), B loaded plainly (streaming it there
+   was slower). `b_loads`: AMX_B_PREFETCH, AMX_B_STREAM. C tiles 2i + j; A tiles 4, 5; B tiles 6, 7. */
+#define AMX_B_PREFETCH 1
+#define AMX_B_STREAM 2
+#define AMX_LOAD_B(tile, pointer, b_loads)                                      \
+    do {                                                                        \
+        if ((b_loads) & AMX_B_STREAM) _tile_stream_loadd(tile, pointer, 64);    \
+        else _tile_loadd(tile, pointer, 64);                                     \
+    } while (0)
 static void amx_block22(const amx_operands *op, int64_t t, int two, int64_t b0, int nb, int64_t s0, int64_t s1,
-                        float *acc, int acc_stride, int prefetch) {
+                        float *acc, int acc_stride, int b_loads) {
     float *acc1 = acc + AMX_TILE_ROWS * (acc_stride / (int)sizeof(float));
 #if defined(DETINF_TEST_AMX_CHUNK_SUMS) /* negative control: every chunk from zero, added to acc in fp32 */
     const int from_zero = 1;
@@ -159,16 +169,16 @@ static void amx_block22(const amx_operands *op, int64_t t, int two, int64_t b0, 
         _tile_loadd(3, acc1 + LANES, acc_stride);
     }
     for (int64_t s = s0; s < s1; s++) {
-        if (prefetch) {
+        if (b_loads & AMX_B_PREFETCH) {
             amx_prefetch_b(op, b0, s);
             if (nb > 1) amx_prefetch_b(op, b0 + 1, s);
         }
         _tile_loadd(4, amx_a(op, t, s), 64);
         _tile_loadd(5, amx_a(op, t + two, s), 64);
-        _tile_loadd(6, amx_b(op, b0, s), 64);
+        AMX_LOAD_B(6, amx_b(op, b0, s), b_loads);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(2, 5, 6);
-        _tile_loadd(7, amx_b(op, b0 + nb - 1, s), 64);
+        AMX_LOAD_B(7, amx_b(op, b0 + nb - 1, s), b_loads);
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(3, 5, 7);
     }
@@ -235,7 +245,8 @@ static void amx_panel(const amx_operands *op, int64_t m, int64_t row_tiles, int6
 #else
             /* a quantized panel's tiles were just written to this thread's scratch: prefetching them cost ~10% */
             const int stride = PANEL_COLS * (int)sizeof(float);
-            if (two) amx_block22(op, t, 1, b0 + bb, nb, 0, op->steps, tile, stride, !op->quant);
+            const int b_loads = AMX_B_STREAM | (op->quant ? 0 : AMX_B_PREFETCH);
+            if (two) amx_block22(op, t, 1, b0 + bb, nb, 0, op->steps, tile, stride, b_loads);
             else amx_rows16(op, t, b0 + bb, nb, tile);
 #endif
             store_tile(tile, (int)rows, r0, c0, cols, n, bias, out, out_bf16);

@@ -1,7 +1,7 @@
 """The AMX-BF16 GEMM of `--numerics native` (ops/csrc/gemm_amx.h): on this CPU a row's bits do not depend on
 the batch's row count, the row's position in it or the thread count; the bias is added once in fp32 and
 the bf16 output is the fp32 sum rounded once; the sums are close to the exact ones (it computes the GEMM).
-Large calls (x over 1 MiB: 65+ rows at K = 8192) take the chunked path (gemm_amx_chunked.h, accumulators
+Large calls (x over 1.5 MiB: 97+ rows at K = 8192) take the chunked path (gemm_amx_chunked.h, accumulators
 spilled between K chunks) and must give a row the bits it has alone on the small calls' path. Negative
 controls: a build sending a call's partial last row tile to the other path, one splitting K by thread
 count, and one adding the chunks' sums in fp32, are caught by the same checks. Skipped (with the reason)
@@ -25,10 +25,10 @@ ROW_COUNTS = (1, 2, 3, 5, 16, 17, 31, 32, 64, 129)
 # (N, K): SmolLM2's qkv-like square, gate_up, down; a 1B qkv; ragged N and K (not multiples of 16 / 32)
 MODEL_SHAPES = ((HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER), (3072, 2048))
 RAGGED_SHAPES = ((200, 65), (130, 2), (48, 33))
-# K large enough that a batch of 65+ rows takes the chunked path, a row alone the small one: an odd count
+# K large enough that a batch of 97+ rows takes the chunked path, a row alone the small one: an odd count
 # of blocks (the panel's last pair half empty) and a ragged K (a zero padded last step, chunks of 8 steps)
 CHUNKED_SHAPES = ((48, 8192), (40, 4100))
-CHUNKED_ROW_COUNTS = (1, 64, 65, 129, 200)
+CHUNKED_ROW_COUNTS = (1, 64, 96, 97, 129, 200)
 NEGATIVE_DEFINES = {
     "ragged-other": ("-DDETINF_TEST_AMX_RAGGED_OTHER",),
     "split-k": ("-DDETINF_TEST_AMX_SPLIT_K",),
@@ -67,7 +67,7 @@ def _probe_rows(k: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("shape", "row_counts"),
     [(shape, ROW_COUNTS) for shape in MODEL_SHAPES + RAGGED_SHAPES]
-    + [(shape, CHUNKED_ROW_COUNTS) for shape in CHUNKED_SHAPES],  # batches of 65+ rows: the chunked path
+    + [(shape, CHUNKED_ROW_COUNTS) for shape in CHUNKED_SHAPES],  # batches of 97+ rows: the chunked path
     ids=str,
 )
 def test_a_row_alone_equals_the_row_in_any_batch(
@@ -153,7 +153,7 @@ def test_negative_control_chunk_sums_added_in_fp32_are_caught(
     weight, bias = _weights(CHUNKED_SHAPES[0], 18)
     fn = _native_fn(negative_builds["chunk-sums"], weight, bias, torch.float32)
     found = row_mismatches(fn, _probe_rows(CHUNKED_SHAPES[0][1], 19), 1, CHUNKED_ROW_COUNTS)
-    assert found and all(int(text.split()[0][2:]) > 64 for text in found), found
+    assert found and all(int(text.split()[0][2:]) > 96 for text in found), found
 
 
 def test_a_build_without_amx_bf16_refuses_native_numerics() -> None:

@@ -25,7 +25,7 @@ from tests.ops.helpers import THREADS, bits, num_threads, row_mismatches
 
 FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 K = 512  # a whole number of K super-blocks
-CHUNKED_K, CHUNKED_ROWS = 4096, 129  # x over 1 MiB: the chunked path
+CHUNKED_K, CHUNKED_ROWS = 4096, 200  # x over 1.5 MiB: the chunked path
 
 
 def _parts(fmt: str, rows: tuple[int, ...], k: int, seed: int) -> list[StoredWeight]:

@@ -101,7 +101,8 @@ class NativeKernels:
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up [M, 2I] (gate then up) -> silu(gate) * up [M, I], elementwise in fp32, model dtype out."""
+        """gate_up [M, 2I] (gate then up) -> silu(gate) * up [M, I], elementwise in fp32, model dtype out
+        (bf16: silu(gate) read from `silu_table`, the bits of computing it)."""
         _check_activations((gate_up,), gate_up.dtype)
         if gate_up.dim() != 2 or gate_up.shape[1] % 2:
             raise ValueError("silu_mul: gate_up must be [M, 2 * intermediate]")

@@ -45,6 +45,7 @@ static inline void amx_prefetch_l2(const char *p) { __asm__ volatile("prefetcht1
 /* Lines [from, to) of the span into L2, 64 bytes each, block after block: a block's steps are contiguous in
    the packed weight, blocks block_stride values apart. A prefetch changes no bit. */
 static void amx_prefetch_span(const amx_operands *op, const amx_span *span, int64_t from, int64_t to) {
+    if (from >= to) return;
     const char *first = (const char *)amx_b(op, span->b0, span->s0);
     const int64_t per_block = (span->s1 - span->s0) * (AMX_TILE_BYTES / 64), block_bytes = op->block_stride * 2;
     for (int64_t line = from; line < to; line++)

@@ -26,8 +26,6 @@
 
 #include "quant512.h"
 
-
-
 /* 1 when this build reads `format` faster repacked (the AVX-512 paths), else 0. */
 int detinf_quant_repacks(int64_t format) {
 #if defined(DETINF_Q_AVX512)

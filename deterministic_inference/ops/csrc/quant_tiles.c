@@ -88,26 +88,31 @@ INLINE __m512i tile_row(__m512 a, __m512 b, int finite) {
                               _mm512_cvtepi32_epi16(packed_bits(b)), 1);
 }
 
+/* Whether the format's values add or subtract a per-unit minimum (unit_factors.minimum). */
+INLINE int has_minimum(int64_t format) { return format_has_min(format) || format == Q4_K || format == Q5_K; }
+
 /* Whether every factor of the unit is finite (one class test per vector: NaN or infinity). */
 INLINE int factors_finite(int64_t format, const unit_factors *f) {
     __mmask16 bad = _mm512_fpclass_ps_mask(f->scale[0], 0x99) | _mm512_fpclass_ps_mask(f->scale[1], 0x99);
-    if (format_has_min(format) || format == Q4_K || format == Q5_K) bad |= _mm512_fpclass_ps_mask(f->minimum, 0x99);
+    if (has_minimum(format)) bad |= _mm512_fpclass_ps_mask(f->minimum, 0x99);
     return bad == 0;
 }
 
 /* A unit's factors in tile_row's lane order: half[0] for columns 0..7 (lanes 2c and 2c + 1: column c),
-   half[1] for columns 8..15. */
+   half[1] for columns 8..15. Only Q6_K has a second scale, and only the formats with a minimum permute it. */
 typedef struct {
     unit_factors half[2];
 } paired_factors;
 
-INLINE paired_factors pair_factors(const unit_factors *f) {
+INLINE paired_factors pair_factors(int64_t format, const unit_factors *f) {
     paired_factors paired;
     for (int h = 0; h < 2; h++) {
         const __m512i column = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
         const __m512i index = _mm512_add_epi32(column, _mm512_set1_epi32(8 * h));
-        for (int s = 0; s < 2; s++) paired.half[h].scale[s] = _mm512_permutexvar_ps(index, f->scale[s]);
-        paired.half[h].minimum = _mm512_permutexvar_ps(index, f->minimum);
+        unit_factors *half = &paired.half[h];
+        half->scale[0] = _mm512_permutexvar_ps(index, f->scale[0]);
+        half->scale[1] = format == Q6_K ? _mm512_permutexvar_ps(index, f->scale[1]) : half->scale[0];
+        half->minimum = has_minimum(format) ? _mm512_permutexvar_ps(index, f->minimum) : _mm512_setzero_ps();
     }
     return paired;
 }
@@ -146,7 +151,7 @@ INLINE void unit_tile_rows(int64_t format, const paired_factors *f, const __m512
 /* One unit's B tile [16 pairs][16 columns][2] from its 8 groups of values (words[g]: values 4g .. 4g + 3 of each
    column, one byte each, in the column's 32-bit lane: the unpacked layout of quant.h). */
 INLINE void unit_tile(int64_t format, const unit_factors *f, const __m512i *words, uint16_t *tile) {
-    const paired_factors paired = pair_factors(f);
+    const paired_factors paired = pair_factors(format, f);
     if (factors_finite(format, f)) unit_tile_rows(format, &paired, words, tile, 1);
     else unit_tile_rows(format, &paired, words, tile, 0);
 }

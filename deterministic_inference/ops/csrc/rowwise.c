@@ -137,8 +137,9 @@ INLINE float silu_act(float gate, int model_bf16) {
    so looking it up gives the bits of computing it (the tests compare both ways over every gate). */
 #define SILU_TABLE_ENTRIES 65537
 void detinf_silu_table(uint16_t *table) {
-    for (int32_t bits = 0; bits < 65536; bits++) table[bits] = f32_to_bf16(silu_act(bf16_to_f32((uint16_t)bits), 1));
-    table[65536] = 0;
+    for (int32_t bits = 0; bits < SILU_TABLE_ENTRIES - 1; bits++)
+        table[bits] = f32_to_bf16(silu_act(bf16_to_f32((uint16_t)bits), 1));
+    table[SILU_TABLE_ENTRIES - 1] = 0;
 }
 
 /* out[r, j] = round(silu(gate[r, j])) * up[r, j] with gate = gate_up[r, :inter], up = gate_up[r, inter:]. */

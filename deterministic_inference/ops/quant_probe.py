@@ -16,7 +16,7 @@ from deterministic_inference.ops.quant import BlockFormat, QuantizedWeight, Quan
 from deterministic_inference.ops.selfcheck import ProbeResult, torch_threads
 
 # byte offsets of each format's fp16 scale fields within a block: d (and the min / dmin after it)
-_SCALE_FIELDS = {"Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
+SCALE_FIELDS = {"Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
                  "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # fmt: skip
 PROBE_SIZES = (1, 3, 8, 33, 64)  # batch sizes each probe row is placed in
 
@@ -42,7 +42,7 @@ def random_weight(
     fmt = fmt if isinstance(fmt, BlockFormat) else block_format(fmt)
     blocks = in_features // fmt.block_values
     data = torch.randint(0, 256, (rows, blocks, fmt.block_bytes), generator=generator, dtype=torch.uint8)
-    for offset in _SCALE_FIELDS[fmt.name]:
+    for offset in SCALE_FIELDS[fmt.name]:
         data[:, :, offset : offset + 2] = random_fp16_bytes(rows * blocks, generator, wide).view(
             rows, blocks, 2
         )

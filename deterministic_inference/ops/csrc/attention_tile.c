@@ -237,14 +237,56 @@ static inline int64_t query_row(const attention_args *a, int64_t tokens, int64_t
     return (k % per_kvh) / group * a->heads + k / per_kvh * group + k % group;
 }
 
-/* The queries of one chunk interleaved (qt[d * n + i] = q_i[d]) at its rows' place in w->tile. */
+#if defined(__AVX512F__)
+/* The 16 x 16 floats in r transposed in registers (r[c] lane i <- r[i] lane c): unpacks of 32-bit then
+   64-bit pairs inside 128-bit lanes, then two rounds of 128-bit lane shuffles. Moves only. */
+static inline void transpose16x16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) { /* t[i] lane k: r[i][4k], r[i+1][4k], r[i][4k+1], r[i+1][4k+1] */
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 16; g += 4) { /* r[g + j] lane k: column 4k + j of rows g..g+3 */
+        r[g] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[g]), _mm512_castps_pd(t[g + 2])));
+        r[g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[g]), _mm512_castps_pd(t[g + 2])));
+        r[g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[g + 1]), _mm512_castps_pd(t[g + 3])));
+        r[g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[g + 1]), _mm512_castps_pd(t[g + 3])));
+    }
+    for (int j = 0; j < 4; j++) { /* t[j] / t[4 + j]: lanes 0,1 / 2,3 of rows 0..7; t[8 + j] / t[12 + j] rows 8..15 */
+        t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44);
+        t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xEE);
+        t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44);
+        t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xEE);
+    }
+    for (int j = 0; j < 4; j++) { /* column 4k + j: lane k of each group of four rows */
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[4 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+        r[8 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88);
+        r[12 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xDD);
+    }
+}
+#endif
+
+/* The queries of one chunk interleaved (qt[d * n + i] = q_i[d]) at its rows' place in w->tile. With
+   AVX-512, 16 dims of every row at a time, transposed in registers (the scalar loop's strided stores took
+   a quarter of a prefill tile's time); the same values in the same places either way. */
 static void chunk_queries(const attention_args *a, int64_t r0, int64_t tokens, chunk c, const workspace *w) {
     const int64_t dim = a->head_dim, n = c.count;
     float *qt = w->tile + c.scratch * dim;
-    for (int64_t i = 0; i < n; i++) {
-        const float *q = a->q + (r0 * a->heads + query_row(a, tokens, c.first + i)) * dim;
-        for (int64_t d = 0; d < dim; d++) qt[d * n + i] = q[d];
+    const float *rows[MAX_SHARED_ROWS];
+    for (int64_t i = 0; i < n; i++) rows[i] = a->q + (r0 * a->heads + query_row(a, tokens, c.first + i)) * dim;
+#if defined(__AVX512F__)
+    const __mmask16 live = (__mmask16)((1u << n) - 1);
+    for (int64_t d = 0; d < dim; d += 16) { /* dim is a multiple of 16 on this path */
+        __m512 r[16];
+        for (int64_t i = 0; i < 16; i++) r[i] = i < n ? _mm512_loadu_ps(rows[i] + d) : _mm512_setzero_ps();
+        transpose16x16(r);
+        for (int64_t l = 0; l < 16; l++) _mm512_mask_storeu_ps(qt + (d + l) * n, live, r[l]);
     }
+#else
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t d = 0; d < dim; d++) qt[d * n + i] = rows[i][d];
+#endif
 }
 
 /* Key pass of one chunk over block b of the tile, whose keys of the chunk's KV head are `keys_b`.
@@ -356,6 +398,13 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
     }
     for (int64_t k = 0; k < per_kvh; k++) {
         float *dst = a->out + (r0 * heads + query_row(a, tokens, kvh * per_kvh + k)) * dim;
-        for (int64_t d = 0; d < dim; d++) dst[d] = w->acc[k * dim + d] / w->totals[k];
+        const float *acc = w->acc + k * dim;
+#if defined(__AVX512F__)
+        /* one IEEE division per element, 16 at a time (GCC chose 8) */
+        const __m512 total = _mm512_set1_ps(w->totals[k]);
+        for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(dst + d, _mm512_div_ps(_mm512_loadu_ps(acc + d), total));
+#else
+        for (int64_t d = 0; d < dim; d++) dst[d] = acc[d] / w->totals[k];
+#endif
     }
 }

@@ -252,6 +252,50 @@ static void store_kv(void *k_cache, void *v_cache, const float *key, const float
     }
 }
 
+#if defined(ROWWISE_BF16_512)
+/* rotate's bf16 arithmetic, 16 lanes at a time (dim a multiple of 32): lane l of a step holds dims d + l
+   and d + half + l, each the scalar's three rounded operations (the negation flips the sign bit, as the
+   scalar's does). */
+static void rotate_bf16x16(const uint16_t *x, const float *cos_r, const float *sin_r, int64_t dim, float *out) {
+    const int64_t half = dim / 2;
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t d = 0; d < half; d += 16) {
+        const __m512 lo = load_bf16x16(x + d, 0xFFFF), hi = load_bf16x16(x + d + half, 0xFFFF);
+        const __m512 lo_cos = round_bf16x16(_mm512_mul_ps(lo, _mm512_loadu_ps(cos_r + d)));
+        const __m512 hi_sin = round_bf16x16(_mm512_mul_ps(_mm512_xor_ps(hi, sign), _mm512_loadu_ps(sin_r + d)));
+        _mm512_storeu_ps(out + d, round_bf16x16(_mm512_add_ps(lo_cos, hi_sin)));
+        const __m512 hi_cos = round_bf16x16(_mm512_mul_ps(hi, _mm512_loadu_ps(cos_r + d + half)));
+        const __m512 lo_sin = round_bf16x16(_mm512_mul_ps(lo, _mm512_loadu_ps(sin_r + d + half)));
+        _mm512_storeu_ps(out + d + half, round_bf16x16(_mm512_add_ps(hi_cos, lo_sin)));
+    }
+}
+
+/* rotary_write_kv_token for a bf16 model and a bf16 cache, dim a multiple of 32: the same values to the same
+   places (a key's bf16 bits are f32_to_bf16 of the rotated value, a value's those of its copy, as store_kv). */
+static void rotary_write_kv_token_bf16(const uint16_t *qkv, const float *cos_row, const float *sin_row, float *q_out,
+                                       uint16_t *k_cache, uint16_t *v_cache, int64_t t, int64_t blk, int64_t off,
+                                       int64_t heads, int64_t kv_heads, int64_t dim, int64_t block) {
+    const uint16_t *row = qkv + t * (heads + 2 * kv_heads) * dim;
+    float cos_r[1024], sin_r[1024], rotated[1024];
+    uint16_t key[1024];
+    for (int64_t d = 0; d < dim; d += 16) {
+        _mm512_storeu_ps(cos_r + d, round_bf16x16(_mm512_loadu_ps(cos_row + d)));
+        _mm512_storeu_ps(sin_r + d, round_bf16x16(_mm512_loadu_ps(sin_row + d)));
+    }
+    for (int64_t h = 0; h < heads; h++) rotate_bf16x16(row + h * dim, cos_r, sin_r, dim, q_out + (t * heads + h) * dim);
+    for (int64_t h = 0; h < kv_heads; h++) {
+        const int64_t slice = blk * kv_heads + h;
+        rotate_bf16x16(row + (heads + h) * dim, cos_r, sin_r, dim, rotated);
+        for (int64_t d = 0; d < dim; d += 16) {
+            store_bf16x16(key + d, _mm512_loadu_ps(rotated + d), 0xFFFF);
+            const __m512 value = load_bf16x16(row + (heads + kv_heads + h) * dim + d, 0xFFFF);
+            store_bf16x16(v_cache + (slice * block + off) * dim + d, value, 0xFFFF);
+        }
+        for (int64_t d = 0; d < dim; d++) k_cache[(slice * dim + d) * block + off] = key[d];
+    }
+}
+#endif
+
 /* One token: q rotated into q_out, k rotated and v written to the caches. */
 INLINE void rotary_write_kv_token(const void *qkv, const int64_t *positions, const float *cos_table,
                                   const float *sin_table, const int64_t *write_blocks, const int64_t *write_offsets,
@@ -293,6 +337,14 @@ int detinf_rotary_write_kv(const void *qkv, const int64_t *positions, const floa
     }
 #pragma omp parallel for schedule(static) if (tokens >= 32)
     for (int64_t t = 0; t < tokens; t++) {
+#if defined(ROWWISE_BF16_512)
+        if (model_bf16 && cache_dtype == KV_BF16 && dim % 32 == 0) {
+            rotary_write_kv_token_bf16((const uint16_t *)qkv, cos_table + positions[t] * dim, sin_table + positions[t] * dim,
+                                       q_out, (uint16_t *)k_cache, (uint16_t *)v_cache, t, write_blocks[t],
+                                       write_offsets[t], heads, kv_heads, dim, block);
+            continue;
+        }
+#endif
         if (model_bf16)
             rotary_write_kv_token(qkv, positions, cos_table, sin_table, write_blocks, write_offsets, q_out, k_cache,
                                   v_cache, t, heads, kv_heads, dim, block, 1, cache_dtype);

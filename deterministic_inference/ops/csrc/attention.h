@@ -85,6 +85,36 @@ INLINE f32x16 load16(const void *base, int64_t index, int bf16) {
     return value;
 }
 
+#if defined(__AVX512F__)
+/* The 16 x 16 floats in r transposed in registers (r[c] lane i <- r[i] lane c): unpacks of 32-bit then
+   64-bit pairs inside 128-bit lanes, then two rounds of 128-bit lane shuffles. Moves only. */
+static inline void transpose16x16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) { /* t[i] lane k: r[i][4k], r[i+1][4k], r[i][4k+1], r[i+1][4k+1] */
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 16; g += 4) { /* r[g + j] lane k: column 4k + j of rows g..g+3 */
+        r[g] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[g]), _mm512_castps_pd(t[g + 2])));
+        r[g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[g]), _mm512_castps_pd(t[g + 2])));
+        r[g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[g + 1]), _mm512_castps_pd(t[g + 3])));
+        r[g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[g + 1]), _mm512_castps_pd(t[g + 3])));
+    }
+    for (int j = 0; j < 4; j++) { /* t[j] / t[4 + j]: lanes 0,1 / 2,3 of rows 0..7; t[8 + j] / t[12 + j] rows 8..15 */
+        t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44);
+        t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xEE);
+        t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44);
+        t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xEE);
+    }
+    for (int j = 0; j < 4; j++) { /* column 4k + j: lane k of each group of four rows */
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[4 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+        r[8 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88);
+        r[12 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xDD);
+    }
+}
+#endif
+
 /* A row's scores lie in blocks of 16 keys, `step` floats apart (16: one contiguous row): key j is
    scores[(j / 16) * step + j % 16]. */
 #define KEY_AT(scores, step, j) ((scores)[((j) / LANES) * (step) + (j) % LANES])

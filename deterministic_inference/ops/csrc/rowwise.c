@@ -339,9 +339,10 @@ int detinf_rotary_write_kv(const void *qkv, const int64_t *positions, const floa
     for (int64_t t = 0; t < tokens; t++) {
 #if defined(ROWWISE_BF16_512)
         if (model_bf16 && cache_dtype == KV_BF16 && dim % 32 == 0) {
-            rotary_write_kv_token_bf16((const uint16_t *)qkv, cos_table + positions[t] * dim, sin_table + positions[t] * dim,
-                                       q_out, (uint16_t *)k_cache, (uint16_t *)v_cache, t, write_blocks[t],
-                                       write_offsets[t], heads, kv_heads, dim, block);
+            const int64_t at = positions[t] * dim;
+            rotary_write_kv_token_bf16((const uint16_t *)qkv, cos_table + at, sin_table + at, q_out,
+                                       (uint16_t *)k_cache, (uint16_t *)v_cache, t, write_blocks[t], write_offsets[t],
+                                       heads, kv_heads, dim, block);
             continue;
         }
 #endif

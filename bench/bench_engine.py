@@ -234,10 +234,10 @@ def print_table(rows: list[dict]) -> None:
         "vs vLLM-CPU | native vs vLLM-CPU |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
+    columns = ("inv", "native", "plain", "hf", "vllm")
+    pairs = [("inv", "hf"), ("inv", "vllm"), ("native", "vllm")]
     for (model, concurrency), rates in table.items():
-        impls = ("inv", "native", "plain", "hf", "vllm")
-        cells = [f"{max(rates[i]):.1f}" if i in rates else "-" for i in impls]
-        pairs = [("inv", "hf"), ("inv", "vllm"), ("native", "vllm")]
+        cells = [f"{max(rates[i]):.1f}" if i in rates else "-" for i in columns]
         ratios = [ratio_cell(rates[a], rates[b]) if a in rates and b in rates else "-" for a, b in pairs]
         print(f"| {Path(model).name} | {concurrency} | {' | '.join(cells)} | {' | '.join(ratios)} |")
 

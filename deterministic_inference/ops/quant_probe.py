@@ -17,7 +17,7 @@ from deterministic_inference.ops.selfcheck import ProbeResult, torch_threads
 
 # byte offsets of each format's fp16 scale fields within a block: d (and the min / dmin after it)
 SCALE_FIELDS = {"Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
-                 "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # fmt: skip
+                "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # fmt: skip
 PROBE_SIZES = (1, 3, 8, 33, 64)  # batch sizes each probe row is placed in
 
 

@@ -70,6 +70,11 @@ INLINE __m512i packed_bits(__m512 value) {
     return _mm512_mask_and_epi32(bits, denormal, bits, _mm512_set1_epi32(0x8000));
 }
 
+/* The 32 words of a tile row: the low 16 bits of each lane of `a`, then those of `b`. */
+INLINE __m512i low_words32(__m512i a, __m512i b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(a)), _mm512_cvtepi32_epi16(b), 1);
+}
+
 /* One tile row (16 columns x a pair of K values) from its values in the tile's own order: lane 2c + j of `a`
    holds value j of the pair for column c (columns 0..7), the same lane of `b` for column c + 8. So the 32
    bf16 words are a's lanes then b's.
@@ -79,13 +84,10 @@ INLINE __m512i packed_bits(__m512 value) {
    f32_to_bf16's bits. Otherwise the bits are computed lane by lane as the packer's. */
 INLINE __m512i tile_row(__m512 a, __m512 b, int finite) {
 #if defined(DETINF_TEST_TILES_TRUNCATE) /* negative control (tests only): bf16 by truncation, not rounding */
-    const __m512i low = _mm512_srli_epi32(_mm512_castps_si512(a), 16);
-    const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(b), 16);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(low)), _mm512_cvtepi32_epi16(high), 1);
+    return low_words32(_mm512_srli_epi32(_mm512_castps_si512(a), 16), _mm512_srli_epi32(_mm512_castps_si512(b), 16));
 #endif
     if (finite) return (__m512i)_mm512_cvtne2ps_pbh(b, a);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(packed_bits(a))),
-                              _mm512_cvtepi32_epi16(packed_bits(b)), 1);
+    return low_words32(packed_bits(a), packed_bits(b));
 }
 
 /* Whether the format's values add or subtract a per-unit minimum (unit_factors.minimum). */

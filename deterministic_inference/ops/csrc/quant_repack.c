@@ -182,6 +182,16 @@ void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0
 
 #if defined(DETINF_Q_AVX512)
 
+/* The first `ahead` bytes (at most `bytes`) of a stream the loops below read, each of which asks for its
+   data `ahead` bytes before it reads it: without this the head of each panel's streams (what lies between
+   the previous panel's last request and the loop's first) reaches the core only by the hardware's
+   prefetchers, which cost a single stream 10-15% of its rate at the 1B file's 2048-value rows
+   (bench/RESULTS.md, issue 36, AMD EPYC Zen 4). */
+INLINE void prefetch_head(const uint8_t *at, int64_t ahead, int64_t bytes) {
+    for (int64_t line = 0; line < ahead && line < bytes; line += 64)
+        _mm_prefetch((const char *)(at + line), _MM_HINT_T0);
+}
+
 /* Rows [0, R) x one panel, every block; acc rows of ACC_COLS floats (quant.h's sequence for the format:
    acc = fmaf(d_b * dx_b, (float)isum_b, acc), then for Q4_1 acc = fmaf(m_b * dx_b, (float)sx_b, acc)). */
 INLINE void fused_x16(const uint8_t *panel, const xquant *xq, const int R, const int has_min, float *acc) {
@@ -192,6 +202,9 @@ INLINE void fused_x16(const uint8_t *panel, const xquant *xq, const int R, const
     const __m512i low_mask = _mm512_set1_epi8(0x0F), high_mask = _mm512_set1_epi8((char)0xF0);
     __m512 f[FUSED_ROWS];
     for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */
+    prefetch_head(qs, 16 * X16_QS_BYTES, X16_QS_BYTES * blocks);
+    prefetch_head(d, 512, X16_FIELD_BYTES * blocks);
+    if (has_min) prefetch_head(m, 512, X16_FIELD_BYTES * blocks);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *q = qs + X16_QS_BYTES * b;
         /* one thread streams from memory: ask for the data 16 blocks ahead (the hardware prefetchers alone
@@ -236,6 +249,8 @@ INLINE void fused_x16_q8(const uint8_t *panel, const xquant *xq, const int R, fl
     const uint8_t *d = panel, *qs = panel + X16_FIELD_BYTES * blocks;
     __m512 f[FUSED_ROWS];
     for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */
+    prefetch_head(qs, 16 * qs_bytes, qs_bytes * blocks);
+    prefetch_head(d, 512, X16_FIELD_BYTES * blocks);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *q = qs + qs_bytes * b;
         for (int line = 0; line < qs_bytes; line += 64) /* 16 blocks ahead, as fused_x16 */

@@ -114,7 +114,7 @@ INLINE void fused_super(int64_t format, const qsrc *src, int64_t row_bytes, cons
     __m512i isum[FUSED_ROWS];
     for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */
     for (int64_t s = 0; s < supers; s++) {
-        prefetch_super(format, src, s * bytes, 4, ahead); /* a repacked panel: four super-blocks ahead */
+        prefetch_super(format, src, s * bytes, 2, ahead); /* a repacked panel: two super-blocks ahead */
         if (format == Q6_K) q6k_scales(src, s * bytes, 0, &p);
         else q45k_scales(src, s * bytes, 0, &p);
         fused_isum(format, src, s * bytes, xq, s, &p, R, isum);

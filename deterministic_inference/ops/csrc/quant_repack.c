@@ -185,7 +185,7 @@ void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0
 /* The first `ahead` bytes (at most `bytes`) of a stream the loops below read, each of which asks for its
    data `ahead` bytes before it reads it: without this the head of each panel's streams (what lies between
    the previous panel's last request and the loop's first) reaches the core only by the hardware's
-   prefetchers, which cost a single stream 10-15% of its rate at the 1B file's 2048-value rows
+   prefetchers, which cost a single stream 10-25% of its rate at 576- and 2048-value rows
    (bench/RESULTS.md, issue 36, AMD EPYC Zen 4). */
 INLINE void prefetch_head(const uint8_t *at, int64_t ahead, int64_t bytes) {
     for (int64_t line = 0; line < ahead && line < bytes; line += 64)

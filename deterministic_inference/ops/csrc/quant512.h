@@ -103,6 +103,11 @@ INLINE void add_qh32(__m512i qh, __m512i *g) {
     }
 }
 
+/* Ask for every line of [at, at + bytes) (a prefetch past a panel's end is harmless). */
+INLINE void prefetch_lines(const uint8_t *at, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char *)(at + line), _MM_HINT_T0);
+}
+
 /* Ask for the line `ahead` bytes past `off` of every column's row: the next panel's data at the place
    this panel is read (16 short streams in parallel are more than the hardware prefetchers follow). */
 INLINE void prefetch_rows(const uint8_t *const *rows, int64_t off, int64_t ahead) {
@@ -115,8 +120,7 @@ INLINE void prefetch_rows(const uint8_t *const *rows, int64_t off, int64_t ahead
 INLINE void prefetch_super(int64_t format, const qsrc *src, int64_t base, int64_t supers, int64_t ahead) {
     const int64_t bytes = format_block_bytes(format);
     if (src->panel) {
-        for (int64_t line = 0; line < 16 * bytes; line += 64)
-            _mm_prefetch((const char *)(src->panel + 16 * (base + supers * bytes) + line), _MM_HINT_T0);
+        prefetch_lines(src->panel + 16 * (base + supers * bytes), 16 * bytes);
         return;
     }
     for (int line = 0; line < 256 && line < bytes + 63; line += 64) prefetch_rows(src->rows, base + line, ahead);

@@ -182,15 +182,12 @@ void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0
 
 #if defined(DETINF_Q_AVX512)
 
-/* The first `ahead` bytes (at most `bytes`) of a stream the loops below read, each of which asks for its
-   data `ahead` bytes before it reads it: without this the head of each panel's streams (what lies between
-   the previous panel's last request and the loop's first) reaches the core only by the hardware's
-   prefetchers, which cost a single stream 10-25% of its rate at 576- and 2048-value rows
+/* Blocks the few-row loops below ask for ahead of the one they read. Before its loop each panel asks for its
+   first FUSED_AHEAD blocks (quants and fp16 fields): the loop's own requests never cover them, and what
+   lies between the previous panel's last request and this loop's first otherwise reaches the core by the
+   hardware's prefetchers only, which cost a single stream 10-25% of its rate at 576- and 2048-value rows
    (bench/RESULTS.md, issue 36, AMD EPYC Zen 4). */
-INLINE void prefetch_head(const uint8_t *at, int64_t ahead, int64_t bytes) {
-    for (int64_t line = 0; line < ahead && line < bytes; line += 64)
-        _mm_prefetch((const char *)(at + line), _MM_HINT_T0);
-}
+#define FUSED_AHEAD 16
 
 /* Rows [0, R) x one panel, every block; acc rows of ACC_COLS floats (quant.h's sequence for the format:
    acc = fmaf(d_b * dx_b, (float)isum_b, acc), then for Q4_1 acc = fmaf(m_b * dx_b, (float)sx_b, acc)). */
@@ -202,17 +199,18 @@ INLINE void fused_x16(const uint8_t *panel, const xquant *xq, const int R, const
     const __m512i low_mask = _mm512_set1_epi8(0x0F), high_mask = _mm512_set1_epi8((char)0xF0);
     __m512 f[FUSED_ROWS];
     for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */
-    prefetch_head(qs, 16 * X16_QS_BYTES, X16_QS_BYTES * blocks);
-    prefetch_head(d, 512, X16_FIELD_BYTES * blocks);
-    if (has_min) prefetch_head(m, 512, X16_FIELD_BYTES * blocks);
+    const int64_t head = blocks < FUSED_AHEAD ? blocks : FUSED_AHEAD;
+    prefetch_lines(qs, X16_QS_BYTES * head);
+    prefetch_lines(d, X16_FIELD_BYTES * head);
+    if (has_min) prefetch_lines(m, X16_FIELD_BYTES * head);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *q = qs + X16_QS_BYTES * b;
-        /* one thread streams from memory: ask for the data 16 blocks ahead (the hardware prefetchers alone
-           left ~10% of the rate behind; reading past the panel's end is harmless for a prefetch) */
-        for (int line = 0; line < X16_QS_BYTES; line += 64)
-            _mm_prefetch((const char *)(q + 4096 + line), _MM_HINT_T0);
-        if (b % 2 == 0) _mm_prefetch((const char *)(d + X16_FIELD_BYTES * b + 512), _MM_HINT_T0);
-        if (has_min && b % 2 == 0) _mm_prefetch((const char *)(m + X16_FIELD_BYTES * b + 512), _MM_HINT_T0);
+        /* one thread streams from memory: ask for the data FUSED_AHEAD blocks ahead (the hardware prefetchers
+           alone left ~10% of the rate behind) */
+        prefetch_lines(q + FUSED_AHEAD * X16_QS_BYTES, X16_QS_BYTES);
+        const int64_t field_ahead = X16_FIELD_BYTES * (b + FUSED_AHEAD);
+        if (b % 2 == 0) _mm_prefetch((const char *)(d + field_ahead), _MM_HINT_T0);
+        if (has_min && b % 2 == 0) _mm_prefetch((const char *)(m + field_ahead), _MM_HINT_T0);
         const __m512 scale = halves16(d + X16_FIELD_BYTES * b);
         const __m512 min = has_min ? halves16(m + X16_FIELD_BYTES * b) : _mm512_setzero_ps();
         __m512i low[4], high[4]; /* values 4t..4t+3, and 16 times values 16+4t..16+4t+3, of every column */
@@ -249,13 +247,13 @@ INLINE void fused_x16_q8(const uint8_t *panel, const xquant *xq, const int R, fl
     const uint8_t *d = panel, *qs = panel + X16_FIELD_BYTES * blocks;
     __m512 f[FUSED_ROWS];
     for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */
-    prefetch_head(qs, 16 * qs_bytes, qs_bytes * blocks);
-    prefetch_head(d, 512, X16_FIELD_BYTES * blocks);
+    const int64_t head = blocks < FUSED_AHEAD ? blocks : FUSED_AHEAD;
+    prefetch_lines(qs, qs_bytes * head);
+    prefetch_lines(d, X16_FIELD_BYTES * head);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *q = qs + qs_bytes * b;
-        for (int line = 0; line < qs_bytes; line += 64) /* 16 blocks ahead, as fused_x16 */
-            _mm_prefetch((const char *)(q + 16 * qs_bytes + line), _MM_HINT_T0);
-        if (b % 2 == 0) _mm_prefetch((const char *)(d + X16_FIELD_BYTES * b + 512), _MM_HINT_T0);
+        prefetch_lines(q + FUSED_AHEAD * qs_bytes, qs_bytes); /* as fused_x16 */
+        if (b % 2 == 0) _mm_prefetch((const char *)(d + X16_FIELD_BYTES * (b + FUSED_AHEAD)), _MM_HINT_T0);
         const __m512 scale = halves16(d + X16_FIELD_BYTES * b);
         __m512i w[8]; /* group t: values 4t..4t+3 (+ 128) of every column */
 #pragma GCC unroll 8

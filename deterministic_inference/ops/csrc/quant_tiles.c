@@ -183,8 +183,7 @@ INLINE void x16_format_tiles(int64_t format, const uint8_t *panel, int64_t units
         f.minimum = fields == 2 ? halves16(panel + X16_FIELD_BYTES * (units + u)) : _mm512_setzero_ps();
         const uint8_t *q = qs + qs_bytes * u;
         /* the bytes X16_AHEAD units on, into L1: at a few dozen rows the GEMM streams the weights from memory */
-        for (int64_t line = 0; line < qs_bytes; line += 64)
-            _mm_prefetch((const char *)(q + X16_AHEAD * qs_bytes + line), _MM_HINT_T0);
+        prefetch_lines(q + X16_AHEAD * qs_bytes, qs_bytes);
         for (int field = 0; field < fields; field++)
             _mm_prefetch((const char *)(panel + X16_FIELD_BYTES * (field * units + u + X16_AHEAD)), _MM_HINT_T0);
         __m512i words[8];

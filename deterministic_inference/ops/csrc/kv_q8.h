@@ -80,20 +80,20 @@ static inline void q8_keys_slice(const int8_t *cache, int64_t slice, int64_t dim
     const int8_t *scales = base + dim * block; /* fp32 [dim / 32][block], read with memcpy (no aliasing) */
     for (int64_t d = 0; d < dim; d++) {
         const int8_t *q = base + d * block, *group = scales + 4 * (d / Q8_GROUP) * block;
-        int64_t l = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-        for (; l < block; l += 16) {
+        for (int64_t l = 0; l < block; l += 16) { /* the last run of a block under a mask */
             const __mmask16 lanes = lane_mask16(block - l);
             const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(lanes, q + l)));
             const __m512 scale = _mm512_maskz_loadu_ps(lanes, group + 4 * l);
             _mm512_mask_storeu_ps(out + d * block + l, lanes, _mm512_mul_ps(values, scale));
         }
-#endif
-        for (; l < block; l++) {
+#else
+        for (int64_t l = 0; l < block; l++) {
             float scale;
             memcpy(&scale, group + 4 * l, sizeof scale);
             out[d * block + l] = (float)q[l] * scale;
         }
+#endif
     }
 }
 

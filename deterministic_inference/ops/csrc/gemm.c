@@ -39,14 +39,16 @@ INLINE uint32_t pair_at(const uint16_t *row, int64_t p, int64_t k) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
-/* tile[r][b * 16 + c] = the sum above for rows [0, R) of x and the B blocks of one panel. */
+/* tile[r][b * 16 + c] = the sum above for rows [0, R) of x and the B blocks of one panel. ahead: NULL, or a
+   block of the next panel, one line of which is asked for into the cache per pair (see detinf_gemm_bf16). */
 INLINE void tile_sums(const uint16_t *x, int64_t k, const uint16_t *panel, int64_t block_stride,
-                      float *tile, int R, int B) {
+                      float *tile, int R, int B, const uint16_t *ahead) {
     __m512 acc[ROWS_PER_TILE][BLOCKS_PER_PANEL];
     for (int r = 0; r < R; r++)
         for (int b = 0; b < B; b++) acc[r][b] = _mm512_setzero_ps();
     const int64_t pairs = (k + 1) / 2;
     for (int64_t p = 0; p < pairs; p++) {
+        if (ahead) _mm_prefetch((const char *)(ahead + p * 32), _MM_HINT_T1);
         __m512bh w[BLOCKS_PER_PANEL];
         for (int b = 0; b < B; b++) w[b] = (__m512bh)_mm512_loadu_si512(panel + b * block_stride + p * 32);
         for (int r = 0; r < R; r++) {
@@ -62,7 +64,8 @@ INLINE void tile_sums(const uint16_t *x, int64_t k, const uint16_t *panel, int64
 
 /* The same operations as VDPBF16PS, lane by lane: odd element first, fmaf of the exact product, FTZ. */
 INLINE void tile_sums(const uint16_t *x, int64_t k, const uint16_t *panel, int64_t block_stride,
-                      float *tile, int R, int B) {
+                      float *tile, int R, int B, const uint16_t *ahead) {
+    (void)ahead;
     for (int r = 0; r < R; r++)
         for (int c = 0; c < B * LANES; c++) tile[r * PANEL_COLS + c] = 0.0f;
     const int64_t pairs = (k + 1) / 2;
@@ -87,13 +90,13 @@ INLINE void tile_sums(const uint16_t *x, int64_t k, const uint16_t *panel, int64
 
 /* tile_sums with literal R and B, so the accumulators of the fast path stay in registers. */
 static void tile_sums_any(const uint16_t *x, int64_t k, const uint16_t *panel, int64_t block_stride,
-                          float *tile, int R, int B) {
-#define DETINF_TILE_CASE(rows)                                                                        \
-    case rows:                                                                                        \
-        if (B == BLOCKS_PER_PANEL) tile_sums(x, k, panel, block_stride, tile, rows, BLOCKS_PER_PANEL); \
-        else                                                                                          \
-            for (int b = 0; b < B; b++)                                                               \
-                tile_sums(x, k, panel + b * block_stride, block_stride, tile + b * LANES, rows, 1);   \
+                          float *tile, int R, int B, const uint16_t *ahead) {
+#define DETINF_TILE_CASE(rows)                                                                             \
+    case rows:                                                                                             \
+        if (B == BLOCKS_PER_PANEL) tile_sums(x, k, panel, block_stride, tile, rows, BLOCKS_PER_PANEL, ahead); \
+        else                                                                                               \
+            for (int b = 0; b < B; b++)                                                                    \
+                tile_sums(x, k, panel + b * block_stride, block_stride, tile + b * LANES, rows, 1, NULL);  \
         break;
     switch (R) {
         DETINF_TILE_CASE(1)
@@ -173,6 +176,17 @@ void detinf_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed)
     }
 }
 
+/* The block of the next panel that row tile `tile` of the panel at first_block asks for while it computes, or
+   NULL. When a panel has several row tiles, its first four each bring one of the next panel's blocks into
+   the cache, so that panel's first tile reads it from there rather than from memory at the rate it computes
+   (a decode step's 27-32 rows: 1.04-1.10x on the 1B Llama shapes, AMD Zen 4). Speed only: no bit changes. */
+static const uint16_t *next_panel_block(const uint16_t *packed, int64_t m, int64_t tile, int64_t first_block,
+                                        int64_t blocks, int64_t block_stride) {
+    const int64_t block = first_block + BLOCKS_PER_PANEL + tile;
+    if (m <= ROWS_PER_TILE || tile >= BLOCKS_PER_PANEL || block >= blocks) return NULL;
+    return packed + block * block_stride;
+}
+
 /* x [m, k] bf16 contiguous, packed from detinf_pack_bf16, bias [n] fp32 or NULL, out [m, n] fp32 or
    bf16 (out_bf16). Panels of 64 columns are shared out between torch's OpenMP threads; within a panel
    rows go 4 at a time. Neither choice changes a bit (see the top of the file). */
@@ -192,7 +206,8 @@ void detinf_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *p
         float tile[ROWS_PER_TILE * PANEL_COLS];
         for (int64_t r0 = 0; r0 < m; r0 += ROWS_PER_TILE) {
             const int R = (int)(m - r0 < ROWS_PER_TILE ? m - r0 : ROWS_PER_TILE);
-            tile_sums_any(x + r0 * k, k, packed + first_block * block_stride, block_stride, tile, R, B);
+            const uint16_t *ahead = next_panel_block(packed, m, r0 / ROWS_PER_TILE, first_block, blocks, block_stride);
+            tile_sums_any(x + r0 * k, k, packed + first_block * block_stride, block_stride, tile, R, B, ahead);
             store_tile(tile, R, r0, c0, cols, n, bias, out, out_bf16);
         }
     }

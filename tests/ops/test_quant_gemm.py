@@ -38,7 +38,9 @@ def _case(name: str, rows: int, out_features: int, seed: int) -> tuple[Quantized
     return weight, x
 
 
-@pytest.mark.parametrize("rows", [1, 4, 6], ids=lambda m: f"M={m}")  # 1..4: the fused few-row path
+# 1..4: the few-row loops; 6: those loops 4 rows at a time on a repacked format (csrc/quant_gemm.c
+# fused_row_limit), the unpacking path on the others; 70: the unpacking path on every format
+@pytest.mark.parametrize("rows", [1, 4, 6, 70], ids=lambda m: f"M={m}")
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_every_element_is_the_documented_sequence(
     kernels: NativeKernels, portable: NativeKernels, name: str, rows: int

@@ -48,10 +48,12 @@ def test_repacked_parts_give_the_stored_bits(repacking: NativeKernels, out_dtype
     repacked = QuantLinear(repacking, parts, bias=bias, out_dtype=out_dtype, row_orders=orders)
     stored = QuantLinear(repacking, parts, bias=bias, out_dtype=out_dtype, row_orders=orders, repack=False)
     assert (repacked.repacked_parts, stored.repacked_parts) == (4, 0)
-    x = torch.randn(9, K, generator=torch.Generator().manual_seed(5)).bfloat16()
+    x = torch.randn(70, K, generator=torch.Generator().manual_seed(5)).bfloat16()
     for threads in (1, 2):
         with num_threads(threads):
-            for rows in (1, 2, 3, 4, 5, 9):  # 1..4: the fused few-row path; more: the unpacking path
+            # repacked: the few-row loops, 4 rows at a time up to fused_row_limit (12 to 64 rows by format),
+            # then the unpacking path; stored: the few-row loops up to 4 rows, then the unpacking path
+            for rows in (1, 2, 3, 4, 5, 9, 13, 33, 70):
                 assert torch.equal(bits(repacked(x[:rows])), bits(stored(x[:rows]))), (threads, rows)
 
 

@@ -81,7 +81,7 @@ static inline int64_t stored_format(int64_t id) { return id >= X16 ? id - X16 : 
 #define UNIT_BYTES 512 /* unpacked unit of a panel: [8 groups][16 columns][4 values] u8 */
 #define CHUNK_UNITS 16 /* units unpacked at a time (8 KB of scratch) */
 #define AMX_ROWS 16    /* rows per AMX tile */
-#define FUSED_ROWS 4   /* up to this many rows, the AVX-512 build multiplies blocks as it unpacks them */
+#define FUSED_ROWS 4   /* rows the AVX-512 build multiplies blocks for as it reads them (quant_gemm.c: groups) */
 
 /* test hooks (negative controls of the tests; the package never sets them) */
 #define QTEST_BATCH_SCALE 1 /* activation block scales from the largest |x| over ALL rows of the call */

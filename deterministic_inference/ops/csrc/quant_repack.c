@@ -189,6 +189,27 @@ void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0
    (bench/RESULTS.md, issue 36, AMD EPYC Zen 4). */
 #define FUSED_AHEAD 16
 
+/* Before a panel's loop: its first FUSED_AHEAD blocks' quants (qs_bytes a block) and fp16 fields (d, and m
+   unless NULL). */
+INLINE void prefetch_panel_head(const uint8_t *qs, int64_t qs_bytes, const uint8_t *d, const uint8_t *m,
+                                int64_t blocks) {
+    const int64_t head = blocks < FUSED_AHEAD ? blocks : FUSED_AHEAD;
+    prefetch_lines(qs, qs_bytes * head);
+    prefetch_lines(d, X16_FIELD_BYTES * head);
+    if (m) prefetch_lines(m, X16_FIELD_BYTES * head);
+}
+
+/* In the loop, at block b: block b + FUSED_AHEAD's quants, and every other block its fields' line (one
+   thread streams from memory; the hardware prefetchers alone left ~10% of the rate behind). */
+INLINE void prefetch_block_ahead(const uint8_t *qs, int64_t qs_bytes, const uint8_t *d, const uint8_t *m,
+                                 int64_t b) {
+    prefetch_lines(qs + qs_bytes * (b + FUSED_AHEAD), qs_bytes);
+    if (b % 2) return;
+    const int64_t field_ahead = X16_FIELD_BYTES * (b + FUSED_AHEAD);
+    _mm_prefetch((const char *)(d + field_ahead), _MM_HINT_T0);
+    if (m) _mm_prefetch((const char *)(m + field_ahead), _MM_HINT_T0);
+}
+
 /* Rows [0, R) x one panel, every block; acc rows of ACC_COLS floats (quant.h's sequence for the format:
    acc = fmaf(d_b * dx_b, (float)isum_b, acc), then for Q4_1 acc = fmaf(m_b * dx_b, (float)sx_b, acc)). */
 INLINE void fused_x16(const uint8_t *panel, const xquant *xq, const int R, const int has_min, float *acc) {
@@ -199,18 +220,10 @@ INLINE void fused_x16(const uint8_t *panel, const xquant *xq, const int R, const
     const __m512i low_mask = _mm512_set1_epi8(0x0F), high_mask = _mm512_set1_epi8((char)0xF0);
     __m512 f[FUSED_ROWS];
     for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */
-    const int64_t head = blocks < FUSED_AHEAD ? blocks : FUSED_AHEAD;
-    prefetch_lines(qs, X16_QS_BYTES * head);
-    prefetch_lines(d, X16_FIELD_BYTES * head);
-    if (has_min) prefetch_lines(m, X16_FIELD_BYTES * head);
+    prefetch_panel_head(qs, X16_QS_BYTES, d, has_min ? m : NULL, blocks);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *q = qs + X16_QS_BYTES * b;
-        /* one thread streams from memory: ask for the data FUSED_AHEAD blocks ahead (the hardware prefetchers
-           alone left ~10% of the rate behind) */
-        prefetch_lines(q + FUSED_AHEAD * X16_QS_BYTES, X16_QS_BYTES);
-        const int64_t field_ahead = X16_FIELD_BYTES * (b + FUSED_AHEAD);
-        if (b % 2 == 0) _mm_prefetch((const char *)(d + field_ahead), _MM_HINT_T0);
-        if (has_min && b % 2 == 0) _mm_prefetch((const char *)(m + field_ahead), _MM_HINT_T0);
+        prefetch_block_ahead(qs, X16_QS_BYTES, d, has_min ? m : NULL, b);
         const __m512 scale = halves16(d + X16_FIELD_BYTES * b);
         const __m512 min = has_min ? halves16(m + X16_FIELD_BYTES * b) : _mm512_setzero_ps();
         __m512i low[4], high[4]; /* values 4t..4t+3, and 16 times values 16+4t..16+4t+3, of every column */
@@ -247,13 +260,10 @@ INLINE void fused_x16_q8(const uint8_t *panel, const xquant *xq, const int R, fl
     const uint8_t *d = panel, *qs = panel + X16_FIELD_BYTES * blocks;
     __m512 f[FUSED_ROWS];
     for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */
-    const int64_t head = blocks < FUSED_AHEAD ? blocks : FUSED_AHEAD;
-    prefetch_lines(qs, qs_bytes * head);
-    prefetch_lines(d, X16_FIELD_BYTES * head);
+    prefetch_panel_head(qs, qs_bytes, d, NULL, blocks);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *q = qs + qs_bytes * b;
-        prefetch_lines(q + FUSED_AHEAD * qs_bytes, qs_bytes); /* as fused_x16 */
-        if (b % 2 == 0) _mm_prefetch((const char *)(d + X16_FIELD_BYTES * (b + FUSED_AHEAD)), _MM_HINT_T0);
+        prefetch_block_ahead(qs, qs_bytes, d, NULL, b);
         const __m512 scale = halves16(d + X16_FIELD_BYTES * b);
         __m512i w[8]; /* group t: values 4t..4t+3 (+ 128) of every column */
 #pragma GCC unroll 8

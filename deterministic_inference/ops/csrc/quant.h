@@ -228,7 +228,7 @@ void unpack_chunk_avx512(int64_t format, const uint8_t *const *rows, int64_t row
                          qpanel *p);
 /* quant_unpack512.c / quant_gemv512.c: the same two paths over a repacked K-format half panel */
 void unpack_k_x16_avx512(int64_t format, const uint8_t *panel, int64_t u0, int64_t units, qpanel *p);
-void fused_k_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, float *acc);
+void fused_k_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, int prefetch, float *acc);
 /* quant_gemv512.c: rows [0, m <= FUSED_ROWS) x one 16-column half, every block; acc [m][ACC_COLS] */
 void fused_half_avx512(int64_t format, const uint8_t *const *rows, int64_t row_bytes, const xquant *xq, int64_t m,
                        float *acc);
@@ -239,10 +239,11 @@ void kernel_rows256(int64_t format, const xquant *xq, int64_t r0, int64_t count,
                     const qpanel *p, int halves, float *acc);
 #endif
 /* quant_repack.c: one repacked 16-column panel (B blocks) of `format` (the stored one: Q4_0, Q4_1, Q8_0 or
-   a K format): units [u0, u0 + units) into p, as unpack_chunk writes them; the few-row path (AVX-512) */
+   a K format): units [u0, u0 + units) into p, as unpack_chunk writes them; the few-row path (AVX-512), whose
+   `prefetch` asks for the blocks ahead (the first group of rows over a panel: later groups find it cached) */
 void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0, int64_t units, qpanel *p);
 #if defined(DETINF_Q_AVX512)
-void fused_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, float *acc);
+void fused_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, int prefetch, float *acc);
 #endif
 #if defined(DETINF_Q_AMX)
 /* quant_amx.c: amx_usable (common.h) once per process; amx_begin / amx_end around a thread's use of the

@@ -103,9 +103,9 @@ INLINE void fused_isum(int64_t format, const qsrc *src, int64_t base, const xqua
 }
 
 /* K formats: rows [0, R) x 16 columns, every super-block, from either source; acc rows of ACC_COLS
-   floats */
+   floats. prefetch: ask for the super-blocks ahead (0: an earlier group of rows brought them in already). */
 INLINE void fused_super(int64_t format, const qsrc *src, int64_t row_bytes, const xquant *xq, const int R,
-                        float *acc) {
+                        const int prefetch, float *acc) {
     const int64_t k = xq->k, supers = k / SUPER, bytes = format_block_bytes(format), ahead = ACC_COLS * row_bytes;
     _Alignas(64) float d[QCOLS], m[QCOLS];
     _Alignas(64) int32_t sc[16 * QCOLS], mn[8 * QCOLS];
@@ -114,7 +114,7 @@ INLINE void fused_super(int64_t format, const qsrc *src, int64_t row_bytes, cons
     __m512i isum[FUSED_ROWS];
     for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */
     for (int64_t s = 0; s < supers; s++) {
-        prefetch_super(format, src, s * bytes, 2, ahead); /* a repacked panel: two super-blocks ahead */
+        if (prefetch) prefetch_super(format, src, s * bytes, 2, ahead); /* repacked: two super-blocks ahead */
         if (format == Q6_K) q6k_scales(src, s * bytes, 0, &p);
         else q45k_scales(src, s * bytes, 0, &p);
         fused_isum(format, src, s * bytes, xq, s, &p, R, isum);
@@ -140,7 +140,7 @@ void fused_half_avx512(int64_t format, const uint8_t *const *rows, int64_t row_b
     const qsrc src = {rows, NULL};
 #define DETINF_FUSED(fmt, rows_)                                                                   \
     if (format == fmt && m == rows_) {                                                             \
-        if (fmt >= Q4_K) fused_super(fmt, &src, row_bytes, xq, rows_, acc);                        \
+        if (fmt >= Q4_K) fused_super(fmt, &src, row_bytes, xq, rows_, 1, acc);                     \
         else fused_blocks(fmt, rows, row_bytes, xq, rows_, acc);                                   \
         return;                                                                                    \
     }
@@ -152,11 +152,11 @@ void fused_half_avx512(int64_t format, const uint8_t *const *rows, int64_t row_b
 }
 
 /* The same for a repacked Q4_K / Q5_K / Q6_K half panel (quant_repack.c): the same vectors, so the same bits */
-void fused_k_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, float *acc) {
+void fused_k_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, int prefetch, float *acc) {
     const qsrc src = {NULL, panel};
 #define DETINF_FUSED_K(fmt, rows_)                                                                 \
     if (format == fmt && m == rows_) {                                                             \
-        fused_super(fmt, &src, 0, xq, rows_, acc);                                                 \
+        fused_super(fmt, &src, 0, xq, rows_, prefetch, acc);                                       \
         return;                                                                                    \
     }
     DETINF_FUSED_K(Q4_K, 1) DETINF_FUSED_K(Q4_K, 2) DETINF_FUSED_K(Q4_K, 3) DETINF_FUSED_K(Q4_K, 4)

@@ -111,6 +111,15 @@ typedef struct {
     int block; /* 32 or 256 */
 } xquant;
 
+/* What a few-row pass over a repacked half panel asks the cache for as it goes (quant_gemm.c): its own blocks
+   ahead when `own` (the first group of rows over the panel; later groups find it cached), and, spread over
+   its blocks, the lines [next, next + next_bytes) of the thread's next panel (next_bytes 0: none). */
+typedef struct {
+    int own;
+    const uint8_t *next;
+    int64_t next_bytes;
+} pass_prefetch;
+
 /* One panel's unpacked chunk: units [u0, u0 + units) of 16 columns. */
 typedef struct {
     uint8_t *w;  /* [units][8][16][4] u8: the format's unsigned integers (Q8_0: q + 128) */
@@ -228,7 +237,8 @@ void unpack_chunk_avx512(int64_t format, const uint8_t *const *rows, int64_t row
                          qpanel *p);
 /* quant_unpack512.c / quant_gemv512.c: the same two paths over a repacked K-format half panel */
 void unpack_k_x16_avx512(int64_t format, const uint8_t *panel, int64_t u0, int64_t units, qpanel *p);
-void fused_k_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, int prefetch, float *acc);
+void fused_k_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, const pass_prefetch *pf,
+                        float *acc);
 /* quant_gemv512.c: rows [0, m <= FUSED_ROWS) x one 16-column half, every block; acc [m][ACC_COLS] */
 void fused_half_avx512(int64_t format, const uint8_t *const *rows, int64_t row_bytes, const xquant *xq, int64_t m,
                        float *acc);
@@ -239,11 +249,11 @@ void kernel_rows256(int64_t format, const xquant *xq, int64_t r0, int64_t count,
                     const qpanel *p, int halves, float *acc);
 #endif
 /* quant_repack.c: one repacked 16-column panel (B blocks) of `format` (the stored one: Q4_0, Q4_1, Q8_0 or
-   a K format): units [u0, u0 + units) into p, as unpack_chunk writes them; the few-row path (AVX-512), whose
-   `prefetch` asks for the blocks ahead (the first group of rows over a panel: later groups find it cached) */
+   a K format): units [u0, u0 + units) into p, as unpack_chunk writes them; the few-row path (AVX-512) */
 void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0, int64_t units, qpanel *p);
 #if defined(DETINF_Q_AVX512)
-void fused_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, int prefetch, float *acc);
+void fused_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, const pass_prefetch *pf,
+                      float *acc);
 #endif
 #if defined(DETINF_Q_AMX)
 /* quant_amx.c: amx_usable (common.h) once per process; amx_begin / amx_end around a thread's use of the

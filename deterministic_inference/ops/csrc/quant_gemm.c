@@ -165,25 +165,28 @@ static int64_t fused_row_limit(int64_t format) {
 }
 
 #if defined(DETINF_Q_AVX512)
-/* While the few-row loops pass over a panel in groups of FUSED_ROWS rows (several groups: 5 to 64 rows), group
-   `group` of `groups` asks for its share of the next panel's bytes (a repacked one; into L2), so that the next
-   panel's first group reads from cache instead of streaming from memory at the rate it computes: one core
-   streams ~19 GB/s on AMD Zen 4, and a group of 4 rows of Q4_0 consumes ~23 GB/s, Q8_0 ~47. The
-   omp schedule is static, so the next panel in the list is this thread's next (or none). Speed only. */
-static void prefetch_next_panel(const detinf_qpart *next_part, const panel_ref *next_ref, int64_t group,
-                                int64_t groups) {
-    if (!next_part || next_part->format < X16 || groups < 2) return;
+/* What pass (group, h) of a panel's few-row passes (`groups` groups of FUSED_ROWS rows x `halves` halves) asks
+   the cache for: its own blocks ahead in the first group only (later groups find the panel cached), and its
+   share of the next panel's bytes (a repacked one), so that the next panel's first group reads from cache
+   instead of streaming from memory at the rate it computes (one Zen 4 core streams ~19 GB/s; a group of 4
+   rows of Q4_0 consumes ~23). The omp schedule is static: the next panel in the list is this thread's next
+   (or none). Speed only. */
+static pass_prefetch pass_prefetch_of(const detinf_qpart *next_part, const panel_ref *next_ref, int64_t group,
+                                      int64_t groups, int h, int halves) {
+    pass_prefetch pf = {group == 0, NULL, 0};
+    if (!next_part || next_part->format < X16 || groups < 2) return pf;
     const int64_t cols = next_part->cols - next_ref->first_col;
     const int64_t bytes = (cols > QCOLS ? 2 : 1) * QCOLS * next_part->row_bytes;
-    const uint8_t *panel = next_part->data + next_ref->first_col * next_part->row_bytes;
-    const int64_t from = bytes * group / groups, to = bytes * (group + 1) / groups;
-    for (int64_t line = from & ~(int64_t)63; line < to; line += 64)
-        _mm_prefetch((const char *)(panel + line), _MM_HINT_T1);
+    const int64_t pass = group * halves + h, passes = groups * halves;
+    const int64_t from = bytes * pass / passes;
+    pf.next = next_part->data + next_ref->first_col * next_part->row_bytes + from;
+    pf.next_bytes = bytes * (pass + 1) / passes - from;
+    return pf;
 }
 #endif
 
 /* One panel of the GEMM; next_part / next_ref: the panel this thread computes next (NULL: none), for
-   prefetch_next_panel. */
+   pass_prefetch_of. */
 static void compute_panel(const gemm_call *call, const detinf_qpart *part, const panel_ref *ref,
                           const detinf_qpart *next_part, const panel_ref *next_ref, workspace *ws) {
     const int64_t cols = part->cols - ref->first_col < ACC_COLS ? part->cols - ref->first_col : ACC_COLS;
@@ -200,12 +203,12 @@ static void compute_panel(const gemm_call *call, const detinf_qpart *part, const
     if (call->m <= fused_rows && !(xq == call->x32 && call->amx_tiles) && !reverse) {
         const int64_t groups = (call->m + FUSED_ROWS - 1) / FUSED_ROWS;
         for (int64_t r0 = 0; r0 < call->m; r0 += FUSED_ROWS) {
-            prefetch_next_panel(next_part, next_ref, r0 / FUSED_ROWS, groups);
             const xquant rows = xquant_from_row(xq, r0);
             const int64_t R = call->m - r0 < FUSED_ROWS ? call->m - r0 : FUSED_ROWS;
             for (int h = 0; h < halves; h++) {
                 float *acc = ws->acc + r0 * ACC_COLS + h * QCOLS;
-                if (src.panel) fused_x16_avx512(src.format, src.panel + h * src.half_bytes, &rows, R, r0 == 0, acc);
+                const pass_prefetch pf = pass_prefetch_of(next_part, next_ref, r0 / FUSED_ROWS, groups, h, halves);
+                if (src.panel) fused_x16_avx512(src.format, src.panel + h * src.half_bytes, &rows, R, &pf, acc);
                 else fused_half_avx512(src.format, src.rows + h * QCOLS, part->row_bytes, &rows, R, acc);
             }
         }

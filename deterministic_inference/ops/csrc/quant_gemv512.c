@@ -12,8 +12,8 @@
 INLINE __m512i dot_groups(__m512i init, const __m512i *g, const int8_t *x, int groups) {
     __m512i even = init, odd = _mm512_setzero_si512(); /* two chains, added exactly */
     for (int i = 0; i < groups; i += 2) {
-        even = _mm512_dpbusd_epi32(even, g[i], x_word(x + 4 * i));
-        odd = _mm512_dpbusd_epi32(odd, g[i + 1], x_word(x + 4 * i + 4));
+        even = dot_x_word(even, g[i], x + 4 * i);
+        odd = dot_x_word(odd, g[i + 1], x + 4 * i + 4);
     }
     return _mm512_add_epi32(even, odd);
 }
@@ -103,9 +103,9 @@ INLINE void fused_isum(int64_t format, const qsrc *src, int64_t base, const xqua
 }
 
 /* K formats: rows [0, R) x 16 columns, every super-block, from either source; acc rows of ACC_COLS
-   floats. prefetch: ask for the super-blocks ahead (0: an earlier group of rows brought them in already). */
+   floats. pf: what to ask the cache for (quant.h's pass_prefetch; the stored rows' path: own blocks only). */
 INLINE void fused_super(int64_t format, const qsrc *src, int64_t row_bytes, const xquant *xq, const int R,
-                        const int prefetch, float *acc) {
+                        const pass_prefetch *pf, float *acc) {
     const int64_t k = xq->k, supers = k / SUPER, bytes = format_block_bytes(format), ahead = ACC_COLS * row_bytes;
     _Alignas(64) float d[QCOLS], m[QCOLS];
     _Alignas(64) int32_t sc[16 * QCOLS], mn[8 * QCOLS];
@@ -114,7 +114,8 @@ INLINE void fused_super(int64_t format, const qsrc *src, int64_t row_bytes, cons
     __m512i isum[FUSED_ROWS];
     for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */
     for (int64_t s = 0; s < supers; s++) {
-        if (prefetch) prefetch_super(format, src, s * bytes, 2, ahead); /* repacked: two super-blocks ahead */
+        if (pf->own) prefetch_super(format, src, s * bytes, 2, ahead); /* repacked: two super-blocks ahead */
+        prefetch_next_share(pf, s, supers);
         if (format == Q6_K) q6k_scales(src, s * bytes, 0, &p);
         else q45k_scales(src, s * bytes, 0, &p);
         fused_isum(format, src, s * bytes, xq, s, &p, R, isum);
@@ -138,9 +139,10 @@ INLINE void fused_super(int64_t format, const qsrc *src, int64_t row_bytes, cons
 void fused_half_avx512(int64_t format, const uint8_t *const *rows, int64_t row_bytes, const xquant *xq, int64_t m,
                        float *acc) {
     const qsrc src = {rows, NULL};
+    const pass_prefetch own = {1, NULL, 0};
 #define DETINF_FUSED(fmt, rows_)                                                                   \
     if (format == fmt && m == rows_) {                                                             \
-        if (fmt >= Q4_K) fused_super(fmt, &src, row_bytes, xq, rows_, 1, acc);                     \
+        if (fmt >= Q4_K) fused_super(fmt, &src, row_bytes, xq, rows_, &own, acc);                  \
         else fused_blocks(fmt, rows, row_bytes, xq, rows_, acc);                                   \
         return;                                                                                    \
     }
@@ -152,11 +154,12 @@ void fused_half_avx512(int64_t format, const uint8_t *const *rows, int64_t row_b
 }
 
 /* The same for a repacked Q4_K / Q5_K / Q6_K half panel (quant_repack.c): the same vectors, so the same bits */
-void fused_k_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, int prefetch, float *acc) {
+void fused_k_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, const pass_prefetch *pf,
+                        float *acc) {
     const qsrc src = {NULL, panel};
 #define DETINF_FUSED_K(fmt, rows_)                                                                 \
     if (format == fmt && m == rows_) {                                                             \
-        fused_super(fmt, &src, 0, xq, rows_, prefetch, acc);                                       \
+        fused_super(fmt, &src, 0, xq, rows_, pf, acc);                                             \
         return;                                                                                    \
     }
     DETINF_FUSED_K(Q4_K, 1) DETINF_FUSED_K(Q4_K, 2) DETINF_FUSED_K(Q4_K, 3) DETINF_FUSED_K(Q4_K, 4)

@@ -212,7 +212,7 @@ INLINE void prefetch_block_ahead(const uint8_t *qs, int64_t qs_bytes, const uint
 
 /* Rows [0, R) x one panel, every block; acc rows of ACC_COLS floats (quant.h's sequence for the format:
    acc = fmaf(d_b * dx_b, (float)isum_b, acc), then for Q4_1 acc = fmaf(m_b * dx_b, (float)sx_b, acc)). */
-INLINE void fused_x16(const uint8_t *panel, const xquant *xq, const int R, const int has_min, const int prefetch,
+INLINE void fused_x16(const uint8_t *panel, const xquant *xq, const int R, const int has_min, const pass_prefetch *pf,
                       float *acc) {
     const int64_t k = xq->k, blocks = k / UNIT;
     const uint8_t *d = panel, *m = panel + X16_FIELD_BYTES * blocks;
@@ -221,10 +221,11 @@ INLINE void fused_x16(const uint8_t *panel, const xquant *xq, const int R, const
     const __m512i low_mask = _mm512_set1_epi8(0x0F), high_mask = _mm512_set1_epi8((char)0xF0);
     __m512 f[FUSED_ROWS];
     for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */
-    if (prefetch) prefetch_panel_head(qs, X16_QS_BYTES, d, has_min ? m : NULL, blocks);
+    if (pf->own) prefetch_panel_head(qs, X16_QS_BYTES, d, has_min ? m : NULL, blocks);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *q = qs + X16_QS_BYTES * b;
-        if (prefetch) prefetch_block_ahead(qs, X16_QS_BYTES, d, has_min ? m : NULL, b);
+        if (pf->own) prefetch_block_ahead(qs, X16_QS_BYTES, d, has_min ? m : NULL, b);
+        prefetch_next_share(pf, b, blocks);
         const __m512 scale = halves16(d + X16_FIELD_BYTES * b);
         const __m512 min = has_min ? halves16(m + X16_FIELD_BYTES * b) : _mm512_setzero_ps();
         __m512i low[4], high[4]; /* values 4t..4t+3, and 16 times values 16+4t..16+4t+3, of every column */
@@ -241,8 +242,8 @@ INLINE void fused_x16(const uint8_t *panel, const xquant *xq, const int R, const
             __m512i sum_high = _mm512_setzero_si512();
 #pragma GCC unroll 4
             for (int t = 0; t < 4; t++) {
-                sum_low = _mm512_dpbusd_epi32(sum_low, low[t], x_word(x + 4 * t));
-                sum_high = _mm512_dpbusd_epi32(sum_high, high[t], x_word(x + 16 + 4 * t));
+                sum_low = dot_x_word(sum_low, low[t], x + 4 * t);
+                sum_high = dot_x_word(sum_high, high[t], x + 16 + 4 * t);
             }
             const __m512i isum = _mm512_add_epi32(sum_low, _mm512_srai_epi32(sum_high, 4));
             const __m512 dx = _mm512_set1_ps(xq->d[r * blocks + b]);
@@ -256,15 +257,16 @@ INLINE void fused_x16(const uint8_t *panel, const xquant *xq, const int R, const
 
 /* Q8_0 rows [0, R) x one panel (quant.h: acc = fmaf(d_b * dx_b, (float)isum_b, acc)); the stored bytes
    are q + 128, so isum_b = sum (q + 128) x - 128 sx_b, exact in int32 like every dot product here. */
-INLINE void fused_x16_q8(const uint8_t *panel, const xquant *xq, const int R, const int prefetch, float *acc) {
+INLINE void fused_x16_q8(const uint8_t *panel, const xquant *xq, const int R, const pass_prefetch *pf, float *acc) {
     const int64_t k = xq->k, blocks = k / UNIT, qs_bytes = x16_qs_bytes(Q8_0);
     const uint8_t *d = panel, *qs = panel + X16_FIELD_BYTES * blocks;
     __m512 f[FUSED_ROWS];
     for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */
-    if (prefetch) prefetch_panel_head(qs, qs_bytes, d, NULL, blocks);
+    if (pf->own) prefetch_panel_head(qs, qs_bytes, d, NULL, blocks);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *q = qs + qs_bytes * b;
-        if (prefetch) prefetch_block_ahead(qs, qs_bytes, d, NULL, b);
+        if (pf->own) prefetch_block_ahead(qs, qs_bytes, d, NULL, b);
+        prefetch_next_share(pf, b, blocks);
         const __m512 scale = halves16(d + X16_FIELD_BYTES * b);
         __m512i w[8]; /* group t: values 4t..4t+3 (+ 128) of every column */
 #pragma GCC unroll 8
@@ -275,8 +277,8 @@ INLINE void fused_x16_q8(const uint8_t *panel, const xquant *xq, const int R, co
             __m512i isum = _mm512_set1_epi32(-128 * xq->s32[r * blocks + b]), isum_high = _mm512_setzero_si512();
 #pragma GCC unroll 4
             for (int t = 0; t < 4; t++) {
-                isum = _mm512_dpbusd_epi32(isum, w[t], x_word(x + 4 * t));
-                isum_high = _mm512_dpbusd_epi32(isum_high, w[t + 4], x_word(x + 16 + 4 * t));
+                isum = dot_x_word(isum, w[t], x + 4 * t);
+                isum_high = dot_x_word(isum_high, w[t + 4], x + 16 + 4 * t);
             }
             isum = _mm512_add_epi32(isum, isum_high);
             const __m512 dx = _mm512_set1_ps(xq->d[r * blocks + b]);
@@ -288,16 +290,17 @@ INLINE void fused_x16_q8(const uint8_t *panel, const xquant *xq, const int R, co
 
 /* Rows [0, m) (m <= FUSED_ROWS) of one repacked panel of `format` (Q4_0, Q4_1 or Q8_0); acc [m][ACC_COLS]
    at the panel's first column. Each row count and format with its constants folded. */
-void fused_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, int prefetch, float *acc) {
+void fused_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, const pass_prefetch *pf,
+                      float *acc) {
     if (format_block_values(format) == SUPER) {
-        fused_k_x16_avx512(format, panel, xq, m, prefetch, acc);
+        fused_k_x16_avx512(format, panel, xq, m, pf, acc);
         return;
     }
 #define DETINF_X16(rows_)                                                          \
     case rows_:                                                                    \
-        if (format == Q4_1) fused_x16(panel, xq, rows_, 1, prefetch, acc);        \
-        else if (format == Q8_0) fused_x16_q8(panel, xq, rows_, prefetch, acc);    \
-        else fused_x16(panel, xq, rows_, 0, prefetch, acc);                        \
+        if (format == Q4_1) fused_x16(panel, xq, rows_, 1, pf, acc);              \
+        else if (format == Q8_0) fused_x16_q8(panel, xq, rows_, pf, acc);          \
+        else fused_x16(panel, xq, rows_, 0, pf, acc);                              \
         break;
     switch (m) {
         DETINF_X16(1)

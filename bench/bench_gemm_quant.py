@@ -26,13 +26,15 @@ from deterministic_inference.ops.native import NativeKernels, load, native_kerne
 from deterministic_inference.ops.quant import TEST_NO_AMX, QuantLinear
 from deterministic_inference.ops.quant_probe import random_weight
 
-# (format, name, N, K): Llama-3.2-1B shapes (qkv, gate_up, down; gate_up, down in Q4_K_M's K formats) and
+# (format, name, N, K): Llama-3.2-1B shapes (qkv, gate_up, down; gate_up, down in Q4_K_M's K formats, gate_up
+# in Q5_K_M's) and
 # SmolLM2-135M's (q+k+v, gate+up, down, o, the Q8_0 logits head)
 SHAPES = (
     ("Q4_0", "1B qkv", 3072, 2048),
     ("Q4_0", "1B gate_up", 16384, 2048),
     ("Q4_0", "1B down", 2048, 8192),
     ("Q4_K", "1B gate_up K", 16384, 2048),
+    ("Q5_K", "1B gate_up K5", 16384, 2048),
     ("Q6_K", "1B down K", 2048, 8192),
     ("Q4_1", "135M qkv", 960, 576),
     ("Q4_1", "135M gate_up", 3072, 576),

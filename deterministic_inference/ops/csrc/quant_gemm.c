@@ -151,16 +151,19 @@ static xquant xquant_from_row(const xquant *xq, int64_t r0) {
 }
 
 /* Up to how many rows a repacked panel of `format` goes through the few-row loops FUSED_ROWS rows at a time,
-   re-reading the panel (from cache) for each group, rather than being unpacked once for all rows: the
-   loops split the nibbles in registers, so below these counts the unpacking costs more than the re-reads
-   (bench_gemm_quant, AMD Zen 4, 2 threads: Q4_0 1.05-1.68x faster at 8-32 rows, Q6_K slower past 12).
+   re-reading the panel (from cache) for each group, rather than being unpacked once for all rows. The loops
+   split the nibbles in registers and overlap the next panel's stream with their compute (pass_prefetch_of);
+   against the unpacked path (bench_gemm_quant with weights read from memory, AMD Zen 4, 2 threads) they were
+   faster at every row count for Q4_0 (1.12-1.89x at 8-64 rows, 1.03-1.05x at 96-512), Q4_1 (1.11-1.28x,
+   1.01-1.05x) and Q8_0 (1.33-2.19x at 8-32, 1.03-1.27x at 48-512); Q4_K up to 128 rows (256 even, 425
+   1.03x slower); Q5_K and Q6_K up to 32 (1.1x slower at 48: their sub-block scales cost more per group).
    Speed only: both give quant.h's sequence. */
 static int64_t fused_row_limit(int64_t format) {
     switch (format) {
-    case Q8_0: return 32;
-    case Q5_K: return 16;
-    case Q6_K: return 12;
-    default: return 64; /* Q4_0, Q4_1, Q4_K */
+    case Q4_K: return 128;
+    case Q5_K: return 32;
+    case Q6_K: return 32;
+    default: return INT64_MAX; /* Q4_0, Q4_1, Q8_0 */
     }
 }
 

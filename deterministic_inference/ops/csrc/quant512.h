@@ -122,6 +122,7 @@ INLINE void add_qh32(__m512i qh, __m512i *g) {
 /* Step `step` of `steps` of a pass: its part of pf's share of the next panel, into L2 (a few lines a step:
    a burst of hundreds at the start of the pass gained nothing, AMD Zen 4). */
 INLINE void prefetch_next_share(const pass_prefetch *pf, int64_t step, int64_t steps) {
+    if (!pf->next_bytes) return; /* one group (1-4 rows): no divisions in the single stream's loop */
     const int64_t from = pf->next_bytes * step / steps, to = pf->next_bytes * (step + 1) / steps;
     for (int64_t line = from & ~(int64_t)63; line < to; line += 64)
         _mm_prefetch((const char *)(pf->next + line), _MM_HINT_T1);

@@ -8,16 +8,6 @@
 
 #if defined(DETINF_Q_AVX512)
 
-/* init + the exact dot products of groups g[0..groups) (16 columns) with the activation bytes x */
-INLINE __m512i dot_groups(__m512i init, const __m512i *g, const int8_t *x, int groups) {
-    __m512i even = init, odd = _mm512_setzero_si512(); /* two chains, added exactly */
-    for (int i = 0; i < groups; i += 2) {
-        even = dot_x_word(even, g[i], x + 4 * i);
-        odd = dot_x_word(odd, g[i + 1], x + 4 * i + 4);
-    }
-    return _mm512_add_epi32(even, odd);
-}
-
 /* 32-value formats: rows [0, R) x 16 columns, every block; acc rows of ACC_COLS floats */
 INLINE void fused_blocks(int64_t format, const uint8_t *const *rows, int64_t row_bytes, const xquant *xq, const int R,
                          float *acc) {

@@ -100,8 +100,9 @@ INLINE void gather_factors(const xquant *xq, int64_t r0, const int R, int64_t u0
 
 /* rows [r0, r0 + R) x H halves of 16 columns (p[0], p[1]) over a chunk of 32-value blocks; acc [R][32].
    Each integer sum runs as two chains of 4 VPDPBUSD (groups 0..3 and 4..7) added at the end, not one of 8:
-   exact integers, so the same sum, and half the dependent latency per unit (AMD Zen 4: 1.05-1.07x at 425
-   rows). The second set of chains needs the registers the rows' pointers took, hence block_factors. */
+   exact integers, so the same sum, and half the dependent latency per unit (AMD Zen 4, weights read from
+   memory: Q4_0 1.01-1.05x at 128-425 rows). The second set of chains needs the registers the rows'
+   pointers took, hence block_factors. */
 INLINE void tile_blocks(int64_t format, const xquant *xq, int64_t r0, const int R, const int H, int64_t u0,
                         int64_t units, const qpanel *p, float *acc) {
     const int64_t k = xq->k;

@@ -273,14 +273,7 @@ INLINE void fused_x16_q8(const uint8_t *panel, const xquant *xq, const int R, co
         for (int t = 0; t < 8; t++) w[t] = _mm512_loadu_si512(q + 64 * t);
         for (int r = 0; r < R; r++) {
             const int8_t *x = xq->q + r * k + b * UNIT;
-            /* two chains of 4 (values 0..15, 16..31), added: exact integers, half the dependent latency */
-            __m512i isum = _mm512_set1_epi32(-128 * xq->s32[r * blocks + b]), isum_high = _mm512_setzero_si512();
-#pragma GCC unroll 4
-            for (int t = 0; t < 4; t++) {
-                isum = dot_x_word(isum, w[t], x + 4 * t);
-                isum_high = dot_x_word(isum_high, w[t + 4], x + 16 + 4 * t);
-            }
-            isum = _mm512_add_epi32(isum, isum_high);
+            const __m512i isum = dot_groups(_mm512_set1_epi32(-128 * xq->s32[r * blocks + b]), w, x, 8);
             const __m512 dx = _mm512_set1_ps(xq->d[r * blocks + b]);
             f[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, dx), as_float(isum), f[r]);
         }

@@ -103,9 +103,10 @@ INLINE void fused_super(int64_t format, const qsrc *src, int64_t row_bytes, cons
     __m512 f[FUSED_ROWS];
     __m512i isum[FUSED_ROWS];
     for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */
+    const int64_t share_step = next_share_step(pf, supers);
     for (int64_t s = 0; s < supers; s++) {
         if (pf->own) prefetch_super(format, src, s * bytes, 2, ahead); /* repacked: two super-blocks ahead */
-        prefetch_next_share(pf, s, supers);
+        prefetch_next_share(pf, share_step, s);
         if (format == Q6_K) q6k_scales(src, s * bytes, 0, &p);
         else q45k_scales(src, s * bytes, 0, &p);
         fused_isum(format, src, s * bytes, xq, s, &p, R, isum);

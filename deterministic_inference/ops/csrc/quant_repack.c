@@ -222,10 +222,11 @@ INLINE void fused_x16(const uint8_t *panel, const xquant *xq, const int R, const
     __m512 f[FUSED_ROWS];
     for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */
     if (pf->own) prefetch_panel_head(qs, X16_QS_BYTES, d, has_min ? m : NULL, blocks);
+    const int64_t share_step = next_share_step(pf, blocks);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *q = qs + X16_QS_BYTES * b;
         if (pf->own) prefetch_block_ahead(qs, X16_QS_BYTES, d, has_min ? m : NULL, b);
-        prefetch_next_share(pf, b, blocks);
+        prefetch_next_share(pf, share_step, b);
         const __m512 scale = halves16(d + X16_FIELD_BYTES * b);
         const __m512 min = has_min ? halves16(m + X16_FIELD_BYTES * b) : _mm512_setzero_ps();
         __m512i low[4], high[4]; /* values 4t..4t+3, and 16 times values 16+4t..16+4t+3, of every column */
@@ -263,10 +264,11 @@ INLINE void fused_x16_q8(const uint8_t *panel, const xquant *xq, const int R, co
     __m512 f[FUSED_ROWS];
     for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */
     if (pf->own) prefetch_panel_head(qs, qs_bytes, d, NULL, blocks);
+    const int64_t share_step = next_share_step(pf, blocks);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *q = qs + qs_bytes * b;
         if (pf->own) prefetch_block_ahead(qs, qs_bytes, d, NULL, b);
-        prefetch_next_share(pf, b, blocks);
+        prefetch_next_share(pf, share_step, b);
         const __m512 scale = halves16(d + X16_FIELD_BYTES * b);
         __m512i w[8]; /* group t: values 4t..4t+3 (+ 128) of every column */
 #pragma GCC unroll 8

@@ -262,11 +262,19 @@ static inline kv_slice read_slice(const attention_args *a, int64_t block_id, int
 void detinf_rows_scores16(int n, const float *qt, const void *keys_t, int64_t offset, int64_t dim, int bf16,
                           float scale, float *scores);
 
+/* Lines a kernel asks the cache for as it goes, a line of each address per step: `lines` 64-byte lines from
+   each non-NULL at[i]. Speed only. */
+typedef struct {
+    const char *at[2];
+    int64_t lines;
+} ahead_lines;
+
 /* detinf_rows_scores16 for n (1..MAX_SHARED_ROWS / 2) rows against two blocks at once (offsets o0, o1;
    scores to s0, s1), the queries qstride apart (qt[d * qstride + i] = q_i[d]), each key's score the same
-   sequence: the same bits. attention_tile.c. */
+   sequence: the same bits. ahead (or NULL): lines to ask for, line d of each at step d (lines past dim are
+   not asked for). attention_tile.c. */
 void detinf_rows_scores16x2(int n, const float *qt, int64_t qstride, const void *keys_t, int64_t o0, int64_t o1,
-                            int64_t dim, int bf16, float scale, float *s0, float *s1);
+                            int64_t dim, int bf16, float scale, float *s0, float *s1, const ahead_lines *ahead);
 
 /* acc[i * dim + d] += p[i * 16 + l] * v_l[d] for l = first..end-1 ascending (fused multiply-adds, each d
    on its own), n (1..MAX_SHARED_ROWS) rows sharing the value loads of one block at `offset` (n = 1: p is
@@ -274,8 +282,16 @@ void detinf_rows_scores16x2(int n, const float *qt, int64_t qstride, const void 
 void detinf_rows_values16(int n, const float *p, const void *v_cache, int64_t offset, int64_t first,
                           int64_t end, int64_t dim, int bf16, float *acc);
 
+/* The work item a thread computes after the current one: its sequence's block table (NULL: none), its KV
+   head and how many blocks its rows see (detinf_attend_tile16 asks for its first key blocks). */
+typedef struct {
+    const int64_t *table;
+    int64_t kvh, blocks;
+} next_item;
+
 /* Query tokens r0..r0+tokens-1 of one sequence, the query heads of KV head kvh; 16-key blocks, head_dim a
-   multiple of 16. */
-void detinf_attend_tile16(const attention_args *a, int64_t r0, int64_t tokens, int64_t kvh, const workspace *w);
+   multiple of 16. next: the thread's next item (speed only). */
+void detinf_attend_tile16(const attention_args *a, int64_t r0, int64_t tokens, int64_t kvh, const workspace *w,
+                          const next_item *next);
 
 #endif

@@ -50,11 +50,15 @@ INLINE void scores_n(int n, int bf16, const float *qt, const void *keys_t, int64
    more rows goes in two halves, each against both blocks: half the query broadcasts per FMA of the whole
    chunk against one block. Each key's score is the same sequence as scores_n's: the same bits. */
 INLINE void scores2_n(int n, int bf16, const float *qt, int64_t qstride, const void *keys_t, int64_t o0, int64_t o1,
-                      int64_t dim, float scale, float *s0, float *s1) {
+                      int64_t dim, float scale, float *s0, float *s1, const ahead_lines *ahead) {
     f32x16 lanes[2][MAX_SHARED_ROWS / 2];
 #pragma GCC unroll 6
     for (int i = 0; i < n; i++) lanes[0][i] = lanes[1][i] = (f32x16){0};
     for (int64_t d = 0; d < dim; d++) {
+        if (ahead && d < ahead->lines) {
+            if (ahead->at[0]) __builtin_prefetch(ahead->at[0] + 64 * d, 0, 2);
+            if (ahead->at[1]) __builtin_prefetch(ahead->at[1] + 64 * d, 0, 2);
+        }
         const f32x16 k0 = load16(keys_t, o0 + d * 16, bf16), k1 = load16(keys_t, o1 + d * 16, bf16);
 #pragma GCC unroll 6
         for (int i = 0; i < n; i++) {
@@ -130,8 +134,8 @@ INLINE void values_wide(int n, int bf16, const float *p, const void *v_cache, in
 /* the query stride literal where it is N (a whole chunk: decode); halves of a chunk pass it (a literal 2 N
    for even chunks measured the same at 2k and 6k) */
 #define SCORES2_STRIDE(N, QS)                                                         \
-    if (bf16) scores2_n(N, 1, qt, QS, keys_t, o0, o1, dim, scale, s0, s1);            \
-    else scores2_n(N, 0, qt, QS, keys_t, o0, o1, dim, scale, s0, s1);
+    if (bf16) scores2_n(N, 1, qt, QS, keys_t, o0, o1, dim, scale, s0, s1, ahead);     \
+    else scores2_n(N, 0, qt, QS, keys_t, o0, o1, dim, scale, s0, s1, ahead);
 #define SCORES2_CASE(N)                                                               \
     case N:                                                                           \
         if (!REGROUP || qstride == N) {                                               \
@@ -171,7 +175,7 @@ __attribute__((visibility("hidden"))) void detinf_rows_scores16(int n, const flo
 __attribute__((visibility("hidden"))) void detinf_rows_scores16x2(int n, const float *qt, int64_t qstride,
                                                                   const void *keys_t, int64_t o0, int64_t o1,
                                                                   int64_t dim, int bf16, float scale, float *s0,
-                                                                  float *s1) {
+                                                                  float *s1, const ahead_lines *ahead) {
     switch (n) {
         CASES_HALF_ROWS(SCORES2_CASE)
     default: break;
@@ -198,26 +202,58 @@ static inline int64_t slice_offset(const attention_args *a, int64_t block_id, in
     return (block_id * a->kv_heads + kvh) * a->head_dim * 16;
 }
 
-/* Asks for the lines of one KV head's keys or values in one cache block into L2 (locality 2). GCC
-   deletes a loop whose body is only __builtin_prefetch as an empty loop; the empty volatile asm that
-   uses the address keeps it (it emits no instruction). */
+/* Bytes of one KV head's keys (or values) in one cache block, as stored (bf16, fp32 or q8_0) */
+static inline int64_t slice_bytes(const attention_args *a) {
+    return a->q8 ? q8_row_bytes(a->head_dim) * 16 : a->head_dim * 16 * (a->bf16 ? 2 : 4);
+}
+
+/* Where KV head kvh's keys (or values) of cache block block_id start, as stored */
+static inline const char *slice_at(const attention_args *a, int64_t block_id, int64_t kvh, int values) {
+    const int64_t start = a->q8 ? (block_id * a->kv_heads + kvh) * slice_bytes(a)
+                                : slice_offset(a, block_id, kvh) * (a->bf16 ? 2 : 4);
+    return (const char *)(values ? a->v_cache : a->k_cache) + start;
+}
+
+/* Asks for the lines of one KV head's keys or values in one cache block into L2 (locality 2), all at
+   once. GCC deletes a loop whose body is only __builtin_prefetch as an empty loop; the empty volatile asm
+   that uses the address keeps it (it emits no instruction). */
 static inline void prefetch_slice(const attention_args *a, int64_t block_id, int64_t kvh, int values) {
-    const int64_t element = a->bf16 ? 2 : 4;
-    const int64_t bytes = a->q8 ? q8_row_bytes(a->head_dim) * 16 : a->head_dim * 16 * element;
-    const int64_t start = a->q8 ? (block_id * a->kv_heads + kvh) * bytes : slice_offset(a, block_id, kvh) * element;
-    const char *base = (const char *)(values ? a->v_cache : a->k_cache) + start;
-    for (int64_t line = 0; line < bytes; line += 64) {
+    const char *base = slice_at(a, block_id, kvh, values);
+    for (int64_t line = 0; line < slice_bytes(a); line += 64) {
         __builtin_prefetch(base + line, 0, 2);
         __asm__ __volatile__("" : : "r"(base + line));
     }
 }
 
-/* The key pass's prefetch at block b: the keys LOOKAHEAD_BLOCKS ahead, near the end the first value blocks. */
+/* The slice the key pass asks for at block b: the keys LOOKAHEAD_BLOCKS ahead, near the end the first
+   value blocks (NULL: none). */
+static inline const char *key_pass_ahead(const attention_args *a, const int64_t *table, int64_t num_blocks, int64_t b,
+                                         int64_t kvh) {
+    const int64_t ahead = b + LOOKAHEAD_BLOCKS;
+    if (ahead < num_blocks) return slice_at(a, table[ahead], kvh, 0);
+    if (ahead - num_blocks < num_blocks) return slice_at(a, table[ahead - num_blocks], kvh, 1);
+    return NULL;
+}
+
+/* The key pass's prefetch at block b, all at once (the unpaired path) */
 static inline void prefetch_keys_ahead(const attention_args *a, const int64_t *table, int64_t num_blocks, int64_t b,
                                        int64_t kvh) {
     const int64_t ahead = b + LOOKAHEAD_BLOCKS;
     if (ahead < num_blocks) prefetch_slice(a, table[ahead], kvh, 0);
     else if (ahead - num_blocks < num_blocks) prefetch_slice(a, table[ahead - num_blocks], kvh, 1);
+}
+
+/* The paired key pass's prefetch at blocks b, b + 1: their two slices, asked for a line or two per step of
+   the scores' loop over d (scores2_n) instead of all at once. The 64 requests of a burst fill the core's
+   miss buffers and stall the work behind them: perf put ~40% of the tile function's own time on the burst
+   loops, and spread out 30 layers' decode attention at 32 x 192 keys took 0.96-0.97x the time (AMD Zen 4,
+   2 threads, caches from memory; bench/RESULTS.md). */
+static inline ahead_lines key_pass_lines(const attention_args *a, const int64_t *table, int64_t num_blocks, int64_t b,
+                                         int64_t kvh) {
+    const ahead_lines ahead = {{key_pass_ahead(a, table, num_blocks, b, kvh),
+                                key_pass_ahead(a, table, num_blocks, b + 1, kvh)},
+                               (slice_bytes(a) + 63) / 64};
+    return ahead;
 }
 
 /* The tile's rows (query token x head) are taken KV head by KV head, in (token, head) order, and cut
@@ -272,14 +308,14 @@ static void chunk_scores(const attention_args *a, kv_slice keys_b, int64_t b, ch
 /* chunk_scores over blocks b and b + 1 at once (keys at `keys_b` and at offset `next` of the same base),
    in halves of at most MAX_SHARED_ROWS / 2 rows: the same scores, the same places. */
 static void chunk_scores2(const attention_args *a, kv_slice keys_b, int64_t next, int64_t b, chunk c,
-                          int64_t stride, const workspace *w) {
+                          int64_t stride, const workspace *w, const ahead_lines *ahead) {
     const int64_t dim = a->head_dim, n = c.count, half = n > MAX_SHARED_ROWS / 2 ? (n + 1) / 2 : n;
     float *scores = w->scores + c.scratch * stride + b * n * 16;
     const float *qt = w->tile + c.scratch * dim;
     for (int64_t first = 0; first < n; first += half) {
         const int64_t rows = n - first < half ? n - first : half;
         detinf_rows_scores16x2((int)rows, qt + first, n, keys_b.base, keys_b.offset, next, dim, keys_b.bf16,
-                               a->scale, scores + first * 16, scores + (n + first) * 16);
+                               a->scale, scores + first * 16, scores + (n + first) * 16, first == 0 ? ahead : NULL);
     }
 }
 
@@ -316,7 +352,8 @@ static inline chunk nth_chunk(int64_t per_kvh, int64_t index) {
    of every row (chunk by chunk, each over all blocks), each row's softmax weights and their sum, then the
    value sums block by block; out = acc / sum. The KV heads of a tile are independent work items. */
 __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_args *a, int64_t r0, int64_t tokens,
-                                                                int64_t kvh, const workspace *w) {
+                                                                int64_t kvh, const workspace *w,
+                                                                const next_item *next) {
     const int64_t heads = a->heads, dim = a->head_dim, group = heads / a->kv_heads, per_kvh = tokens * group;
     const int64_t per_head = (per_kvh + MAX_SHARED_ROWS - 1) / MAX_SHARED_ROWS; /* chunks of one KV head */
     const int64_t *table = a->block_ids + a->row_table[r0];
@@ -333,10 +370,9 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
        build, and any chunks (prefill, in halves) where REGROUP */
     const int paired = REGROUP || (per_head == 1 && per_kvh <= MAX_SHARED_ROWS / 2);
     for (int64_t b = 0; b < num_blocks;) { /* every chunk while the blocks are in L1 */
-        prefetch_keys_ahead(a, table, num_blocks, b, kvh);
         const kv_slice keys_b = read_slice(a, table[b], kvh, 0, w->slices);
         if (paired && b + 1 < num_blocks) {
-            prefetch_keys_ahead(a, table, num_blocks, b + 1, kvh);
+            const ahead_lines ahead = key_pass_lines(a, table, num_blocks, b, kvh);
             /* the second block, from the same base: the cache, or for q8_0 the workspace's second slice */
             int64_t next = slice_offset(a, table[b + 1], kvh);
             if (a->q8) {
@@ -344,10 +380,12 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
                 next = 16 * dim;
             }
             for (int64_t index = first_chunk; index < end_chunk; index++)
-                chunk_scores2(a, keys_b, next, b, nth_chunk(per_kvh, index), stride, w);
+                chunk_scores2(a, keys_b, next, b, nth_chunk(per_kvh, index), stride, w,
+                              index == first_chunk ? &ahead : NULL);
             b += 2;
             continue;
         }
+        prefetch_keys_ahead(a, table, num_blocks, b, kvh);
         for (int64_t index = first_chunk; index < end_chunk; index++)
             chunk_scores(a, keys_b, b, nth_chunk(per_kvh, index), stride, w);
         b += 1;
@@ -360,8 +398,10 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
         }
     }
     memset(w->acc, 0, sizeof(float) * (size_t)(per_kvh * dim));
-    for (int64_t b = 0; b < num_blocks; b++) {
+    for (int64_t b = 0; b < num_blocks; b++) { /* values ahead; in the last blocks, the next item's first keys */
         if (b + LOOKAHEAD_BLOCKS < num_blocks) prefetch_slice(a, table[b + LOOKAHEAD_BLOCKS], kvh, 1);
+        else if (next->table && b + LOOKAHEAD_BLOCKS - num_blocks < next->blocks)
+            prefetch_slice(a, next->table[b + LOOKAHEAD_BLOCKS - num_blocks], next->kvh, 0);
         const kv_slice values_b = read_slice(a, table[b], kvh, 1, w->slices);
         for (int64_t index = first_chunk; index < end_chunk; index++)
             chunk_values(a, values_b, b, tokens, nth_chunk(per_kvh, index), keys, min_keys, stride, w);

@@ -173,10 +173,12 @@ static int64_t fused_row_limit(int64_t format) {
    share of the next panel's bytes (a repacked one), so that the next panel's first group reads from cache
    instead of streaming from memory at the rate it computes (one Zen 4 core streams ~19 GB/s; a group of 4
    rows of Q4_0 consumes ~23). The omp schedule is static: the next panel in the list is this thread's next
-   (or none). Speed only. */
+   (or none). A panel the thread's previous panel asked for this way (`covered`) skips its own blocks'
+   requests too: they found the lines in cache and only cost issue slots (skipping them made the default
+   model's Q8_0 logits head 1.08-1.17x faster at 8-27 rows, Q4_K 1.02-1.10x, AMD Zen 4). Speed only. */
 static pass_prefetch pass_prefetch_of(const detinf_qpart *next_part, const panel_ref *next_ref, int64_t group,
-                                      int64_t groups, int h, int halves) {
-    pass_prefetch pf = {group == 0, NULL, 0};
+                                      int64_t groups, int h, int halves, int covered) {
+    pass_prefetch pf = {group == 0 && !covered, NULL, 0};
     if (!next_part || next_part->format < X16 || groups < 2) return pf;
     const int64_t cols = next_part->cols - next_ref->first_col;
     const int64_t bytes = (cols > QCOLS ? 2 : 1) * QCOLS * next_part->row_bytes;
@@ -188,10 +190,11 @@ static pass_prefetch pass_prefetch_of(const detinf_qpart *next_part, const panel
 }
 #endif
 
-/* One panel of the GEMM; next_part / next_ref: the panel this thread computes next (NULL: none), for
-   pass_prefetch_of. */
-static void compute_panel(const gemm_call *call, const detinf_qpart *part, const panel_ref *ref,
-                          const detinf_qpart *next_part, const panel_ref *next_ref, workspace *ws) {
+/* One panel of the GEMM; next_part / next_ref: the panel this thread computes next (NULL: none), covered:
+   whether the panel before asked for this one (both for pass_prefetch_of). Returns whether this panel's
+   passes asked for the next one. */
+static int compute_panel(const gemm_call *call, const detinf_qpart *part, const panel_ref *ref,
+                         const detinf_qpart *next_part, const panel_ref *next_ref, int covered, workspace *ws) {
     const int64_t cols = part->cols - ref->first_col < ACC_COLS ? part->cols - ref->first_col : ACC_COLS;
     const int halves = cols > QCOLS ? 2 : 1;
     panel_source src;
@@ -205,19 +208,24 @@ static void compute_panel(const gemm_call *call, const detinf_qpart *part, const
     const int64_t fused_rows = src.panel ? fused_row_limit(src.format) : FUSED_ROWS;
     if (call->m <= fused_rows && !(xq == call->x32 && call->amx_tiles) && !reverse) {
         const int64_t groups = (call->m + FUSED_ROWS - 1) / FUSED_ROWS;
+        int asked = 0;
         for (int64_t r0 = 0; r0 < call->m; r0 += FUSED_ROWS) {
             const xquant rows = xquant_from_row(xq, r0);
             const int64_t R = call->m - r0 < FUSED_ROWS ? call->m - r0 : FUSED_ROWS;
             for (int h = 0; h < halves; h++) {
                 float *acc = ws->acc + r0 * ACC_COLS + h * QCOLS;
-                const pass_prefetch pf = pass_prefetch_of(next_part, next_ref, r0 / FUSED_ROWS, groups, h, halves);
+                const pass_prefetch pf =
+                    pass_prefetch_of(next_part, next_ref, r0 / FUSED_ROWS, groups, h, halves, covered);
+                asked |= src.panel && pf.next_bytes > 0; /* the stored rows' loops ask for their own lines */
                 if (src.panel) fused_x16_avx512(src.format, src.panel + h * src.half_bytes, &rows, R, &pf, acc);
                 else fused_half_avx512(src.format, src.rows + h * QCOLS, part->row_bytes, &rows, R, acc);
             }
         }
         store_panel(call, ws->acc, ref->out_col, cols);
-        return;
+        return asked;
     }
+#else
+    (void)covered;
 #endif
     /* rows the AMX tiles take (32-value formats only); the rest go through kernel_rows, with the same bits */
     const int64_t amx_done = xq == call->x32 ? call->amx_tiles * AMX_ROWS : 0; /* may pass m: padding rows */
@@ -236,6 +244,7 @@ static void compute_panel(const gemm_call *call, const detinf_qpart *part, const
 #endif
     }
     store_panel(call, ws->acc, ref->out_col, cols);
+    return 0;
 }
 
 /* The panels of every part, in output order: -> count, or -1 when out of memory. */
@@ -266,11 +275,12 @@ static int run_panels(const gemm_call *call, const detinf_qpart *parts, const pa
 #if defined(DETINF_Q_AMX)
         if (call->amx_tiles) amx_begin(); /* the tile configuration is per thread */
 #endif
+        int covered = 0; /* the thread's previous panel asked for this one */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < count; i++) {
             const panel_ref *next = i + 1 < count ? &refs[i + 1] : NULL;
             const detinf_qpart *next_part = next ? &parts[next->part] : NULL;
-            if (!failed) compute_panel(call, &parts[refs[i].part], &refs[i], next_part, next, &ws);
+            if (!failed) covered = compute_panel(call, &parts[refs[i].part], &refs[i], next_part, next, covered, &ws);
         }
 #if defined(DETINF_Q_AMX)
         if (call->amx_tiles) amx_end();

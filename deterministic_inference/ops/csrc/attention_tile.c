@@ -207,22 +207,26 @@ static inline int64_t slice_bytes(const attention_args *a) {
     return a->q8 ? q8_row_bytes(a->head_dim) * 16 : a->head_dim * 16 * (a->bf16 ? 2 : 4);
 }
 
-/* Where KV head kvh's keys (or values) of cache block block_id start, as stored */
+/* Where KV head kvh's keys (or values) of cache block block_id start, as stored: slices of every layout
+   follow one another, block by block and KV head by KV head */
 static inline const char *slice_at(const attention_args *a, int64_t block_id, int64_t kvh, int values) {
-    const int64_t start = a->q8 ? (block_id * a->kv_heads + kvh) * slice_bytes(a)
-                                : slice_offset(a, block_id, kvh) * (a->bf16 ? 2 : 4);
-    return (const char *)(values ? a->v_cache : a->k_cache) + start;
+    return (const char *)(values ? a->v_cache : a->k_cache) + (block_id * a->kv_heads + kvh) * slice_bytes(a);
 }
 
-/* Asks for the lines of one KV head's keys or values in one cache block into L2 (locality 2), all at
-   once. GCC deletes a loop whose body is only __builtin_prefetch as an empty loop; the empty volatile asm
-   that uses the address keeps it (it emits no instruction). */
-static inline void prefetch_slice(const attention_args *a, int64_t block_id, int64_t kvh, int values) {
-    const char *base = slice_at(a, block_id, kvh, values);
+/* Asks for every line of the slice at `base` (NULL: none) into L2 (locality 2), all at once. GCC deletes a
+   loop whose body is only __builtin_prefetch as an empty loop; the empty volatile asm that uses the
+   address keeps it (it emits no instruction). */
+static inline void prefetch_whole(const attention_args *a, const char *base) {
+    if (!base) return;
     for (int64_t line = 0; line < slice_bytes(a); line += 64) {
         __builtin_prefetch(base + line, 0, 2);
         __asm__ __volatile__("" : : "r"(base + line));
     }
+}
+
+/* prefetch_whole of one KV head's keys or values in one cache block */
+static inline void prefetch_slice(const attention_args *a, int64_t block_id, int64_t kvh, int values) {
+    prefetch_whole(a, slice_at(a, block_id, kvh, values));
 }
 
 /* The slice the key pass asks for at block b: the keys LOOKAHEAD_BLOCKS ahead, near the end the first
@@ -235,13 +239,6 @@ static inline const char *key_pass_ahead(const attention_args *a, const int64_t 
     return NULL;
 }
 
-/* The key pass's prefetch at block b, all at once (the unpaired path) */
-static inline void prefetch_keys_ahead(const attention_args *a, const int64_t *table, int64_t num_blocks, int64_t b,
-                                       int64_t kvh) {
-    const int64_t ahead = b + LOOKAHEAD_BLOCKS;
-    if (ahead < num_blocks) prefetch_slice(a, table[ahead], kvh, 0);
-    else if (ahead - num_blocks < num_blocks) prefetch_slice(a, table[ahead - num_blocks], kvh, 1);
-}
 
 /* The paired key pass's prefetch at blocks b, b + 1: their two slices, asked for a line or two per step of
    the scores' loop over d (scores2_n) instead of all at once. The 64 requests of a burst fill the core's
@@ -385,7 +382,7 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
             b += 2;
             continue;
         }
-        prefetch_keys_ahead(a, table, num_blocks, b, kvh);
+        prefetch_whole(a, key_pass_ahead(a, table, num_blocks, b, kvh)); /* unpaired: all at once */
         for (int64_t index = first_chunk; index < end_chunk; index++)
             chunk_scores(a, keys_b, b, nth_chunk(per_kvh, index), stride, w);
         b += 1;

@@ -109,18 +109,23 @@ def _linear_variants(weight: torch.Tensor, kernels: NativeKernels) -> dict[str, 
 
 
 def _attention_inputs(
-    num_seqs: int, n: int, context: int, dtype: torch.dtype
+    num_seqs: int, n: int, context: int, dtype: torch.dtype, first_context: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Random cache holding `num_seqs` sequences of `context` keys in scattered blocks; each sequence's
-    last `n` tokens are the queries. -> q [S*n, H, D], keys, values, metadata."""
+    """Random cache holding `num_seqs` sequences of `context` keys (the first one `first_context`, when
+    given) in scattered blocks; each sequence's last `n` tokens are the queries. -> q [S*n, H, D], keys,
+    values, metadata."""
     spec = SMOLLM2
-    blocks_per_seq = -(-context // BLOCK)
-    num_blocks = num_seqs * blocks_per_seq + 1
+    contexts = [first_context or context] + [context] * (num_seqs - 1)
+    blocks = [-(-c // BLOCK) for c in contexts]
+    num_blocks = sum(blocks) + 1
     k_cache, v_cache = new_kv_cache(num_blocks, BLOCK, spec.num_kv_heads, spec.head_dim, dtype)
     k_cache.copy_(torch.randn(k_cache.shape))  # [blocks, KVH, D, BLOCK]
     v_cache.copy_(torch.randn(v_cache.shape))  # [blocks, KVH, BLOCK, D]
-    tables = (torch.randperm(num_blocks - 1) + 1).view(num_seqs, blocks_per_seq).tolist()
-    meta = AttentionMetadata.build([(context - n, n, table) for table in tables], BLOCK)
+    ids = (torch.randperm(num_blocks - 1) + 1).tolist()
+    starts = [sum(blocks[:i]) for i in range(num_seqs)]
+    tables = [ids[start : start + count] for start, count in zip(starts, blocks, strict=True)]
+    rows = [(c - n, n, table) for c, table in zip(contexts, tables, strict=True)]
+    meta = AttentionMetadata.build(rows, BLOCK)
     q = torch.randn(num_seqs * n, spec.num_heads, spec.head_dim).to(dtype)
     return q, k_cache, v_cache, meta
 
@@ -129,14 +134,16 @@ def bench_attention(rounds: int, libraries: Sequence[Path] = ()) -> None:
     """Invariant attention (the compiled kernel) vs per-sequence SDPA (batch_invariant=False), one layer.
     `libraries`: built kernel libraries to time side by side instead of this process's build (e.g. one
     -march level's builds of two source versions, from the kernel cache)."""
-    cases = [(32, 1, 256), (4, 128, 128)]  # (sequences, query tokens each, context): decode, prefill
+    # (sequences, query tokens each, context, the first sequence's context): decode, a decode step with one
+    # long sequence among short ones (how the threads share the work out), prefill
+    cases = [(32, 1, 256, 0), (32, 1, 192, 4096), (4, 128, 128, 0)]
     builds = {path.stem: load(path) for path in libraries} or {"native": native_kernels()}
     names = " | ".join(builds)
     print(f"\n### attention, one layer: ms per call (ratio to per-sequence SDPA); kernels {names}")
     print(f"| dtype S x n @ context | sdpa | {names} |\n|---|---|{'---|' * len(builds)}")
     for dtype_name, dtype in DTYPES.items():
-        for num_seqs, n, context in cases:
-            q, k_cache, v_cache, meta = _attention_inputs(num_seqs, n, context, dtype)
+        for num_seqs, n, context, first_context in cases:
+            q, k_cache, v_cache, meta = _attention_inputs(num_seqs, n, context, dtype, first_context)
             scale = SMOLLM2.head_dim**-0.5
             fns = {
                 name: functools.partial(
@@ -144,7 +151,10 @@ def bench_attention(rounds: int, libraries: Sequence[Path] = ()) -> None:
                 )
                 for name, choice in (("sdpa", None), *builds.items())
             }
-            print_row(f"{dtype_name} {num_seqs}x{n} @ {context}", best_times(fns, rounds), "sdpa")
+            label = f"{dtype_name} {num_seqs}x{n} @ {context}" + (
+                f", one @ {first_context}" if first_context else ""
+            )
+            print_row(label, best_times(fns, rounds), "sdpa")
 
 
 def bench_kv_cache(rounds: int) -> None:

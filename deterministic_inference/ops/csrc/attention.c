@@ -182,8 +182,8 @@ static int any_window(const int64_t *row_first, int64_t first_row, int64_t end_r
     return 0;
 }
 
-/* Fast-path item `item` (tile item % tiles of KV head item / tiles; none when item >= items), as the item
-   before it on the same thread prefetches it */
+/* Fast-path item `item` (tile item % tiles of KV head item / tiles; none when item >= items), as the
+   thread likely to take it next prefetches it */
 static next_item next_item_of(const attention_args *a, const int64_t *starts, int64_t tiles, int64_t items,
                               int64_t item) {
     next_item next = {NULL, 0, 0};
@@ -235,10 +235,14 @@ int detinf_attention_window(const float *q, const void *k_cache, const void *v_c
        single decoding sequence use every thread. Items go KV head by KV head (every tile of KV head 0,
        then of head 1, ...): the threads' consecutive tiles then read the same keys and values, which
        stay in L2; tile by tile, a long context's slices of all KV heads did not fit (SmolLM2 at 6k
-       tokens: 3 x 1.5 MB against a 4 MB L2; one 512-token chunk's attention 4.7% faster). They are dealt
-       round robin (static, 1), so a thread knows its next item and asks for that item's first key blocks
-       while it reads its current item's last value blocks (next_item_of): a decode step's items are a
-       dozen blocks each, and their first two otherwise came from memory unrequested. */
+       tokens: 3 x 1.5 MB against a 4 MB L2; one 512-token chunk's attention 4.7% faster). They are handed
+       out one at a time as threads come free (dynamic, 1), and a thread asks for the first key blocks of
+       the item `threads` places on (the one it takes next when items cost alike) while it reads its current
+       item's last value blocks (next_item_of): a decode step's items are a dozen blocks each, and their
+       first two otherwise came from memory unrequested. A wrong guess costs one item's first lines fetched
+       for another core. Dealt round robin instead (static, 1), a long sequence among short ones put all
+       its KV heads on one thread whenever the tiles were even in number: 31 streams at 192 keys and one at
+       4096 took 1.16-1.27x longer than handed out as threads come free, and the same where all are alike. */
     const int64_t items = fast ? tiles * kv_heads : tiles;
 #pragma omp parallel reduction(| : status)
     {
@@ -249,7 +253,7 @@ int detinf_attention_window(const float *q, const void *k_cache, const void *v_c
                        a.q8 ? malloc(sizeof(float) * slice_floats) : NULL};
         const int ready = w.scores != NULL && w.tile != NULL && w.acc != NULL && w.totals != NULL &&
                           (!a.q8 || w.slices != NULL);
-#pragma omp for schedule(static, 1)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
             if (!ready) {
                 status |= 1;

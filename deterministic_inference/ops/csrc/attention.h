@@ -282,7 +282,7 @@ void detinf_rows_scores16x2(int n, const float *qt, int64_t qstride, const void 
 void detinf_rows_values16(int n, const float *p, const void *v_cache, int64_t offset, int64_t first,
                           int64_t end, int64_t dim, int bf16, float *acc);
 
-/* The work item a thread computes after the current one: its sequence's block table (NULL: none), its KV
+/* The work item a thread likely computes after the current one: its sequence's block table (NULL: none), its KV
    head and how many blocks its rows see (detinf_attend_tile16 asks for its first key blocks). */
 typedef struct {
     const int64_t *table;
@@ -290,7 +290,7 @@ typedef struct {
 } next_item;
 
 /* Query tokens r0..r0+tokens-1 of one sequence, the query heads of KV head kvh; 16-key blocks, head_dim a
-   multiple of 16. next: the thread's next item (speed only). */
+   multiple of 16. next: the thread's likely next item (speed only). */
 void detinf_attend_tile16(const attention_args *a, int64_t r0, int64_t tokens, int64_t kvh, const workspace *w,
                           const next_item *next);
 

@@ -13,6 +13,15 @@
 #define INLINE static inline __attribute__((always_inline))
 #define LANES 16
 
+/* Whether a row-wise kernel shares its `rows` rows of `per_row` values out between the OpenMP threads (each
+   row is computed whole by one thread either way, so this changes speed, never a bit): from two rows and
+   ROWWISE_PARALLEL_VALUES values. The earlier rule, 32 rows or more, left a decode step of 31 streams on
+   one thread. */
+#define ROWWISE_PARALLEL_VALUES 8192
+static inline int rowwise_parallel(int64_t rows, int64_t per_row) {
+    return rows >= 2 && rows * per_row >= ROWWISE_PARALLEL_VALUES;
+}
+
 #if defined(__AMX_TILE__)
 /* What ldtilecfg reads (palette 1: per tile its bytes per row and rows). */
 typedef struct {

@@ -132,7 +132,7 @@ static int run_linear(const detinf_linear *linear, const void *x, int64_t m, int
 /* out = att rounded to bf16 (f32_to_bf16: torch's rounding), [rows, width]; rows shared out between the
    OpenMP threads, each element on its own. */
 static void round_rows(const float *att, uint16_t *out, int64_t rows, int64_t width) {
-#pragma omp parallel for schedule(static) if (rows >= 32)
+#pragma omp parallel for schedule(static) if (rowwise_parallel(rows, width))
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t i = r * width; i < (r + 1) * width; i++) out[i] = f32_to_bf16(att[i]);
     }

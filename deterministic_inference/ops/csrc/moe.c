@@ -100,7 +100,7 @@ INLINE void combine_token(const void *y, const int64_t *rows, const float *w, in
    caller (ops/moe.py). */
 void detinf_moe_combine(const void *y, const int64_t *rows, const float *w, int64_t tokens, int64_t k,
                         int64_t width, const void *shared, const float *shared_gate, void *out, int model_bf16) {
-#pragma omp parallel for schedule(static) if (tokens >= 32)
+#pragma omp parallel for schedule(static) if (rowwise_parallel(tokens, k * width))
     for (int64_t t = 0; t < tokens; t++) {
         if (model_bf16) combine_token(y, rows, w, k, width, shared, shared_gate, out, t, 1);
         else combine_token(y, rows, w, k, width, shared, shared_gate, out, t, 0);

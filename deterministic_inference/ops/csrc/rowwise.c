@@ -111,7 +111,7 @@ INLINE void add_rms_norm_row(void *hidden, const void *delta, const void *weight
 
 void detinf_add_rms_norm(void *hidden, const void *delta, const void *weight, void *out, int64_t rows,
                          int64_t width, float eps, int model_bf16) {
-#pragma omp parallel for schedule(static) if (rows >= 32)
+#pragma omp parallel for schedule(static) if (rowwise_parallel(rows, width))
     for (int64_t r = 0; r < rows; r++) {
 #if defined(ROWWISE_BF16_512)
         if (model_bf16) {
@@ -172,7 +172,7 @@ static void silu_mul_row_table(const uint16_t *gate, const uint16_t *up, uint16_
    `table`: detinf_silu_table's, or NULL to compute every value (bf16 models only read it). */
 void detinf_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int model_bf16,
                      const uint16_t *table) {
-#pragma omp parallel for schedule(static) if (rows >= 32)
+#pragma omp parallel for schedule(static) if (rowwise_parallel(rows, 2 * inter))
     for (int64_t r = 0; r < rows; r++) {
         if (model_bf16 && table != NULL) {
             const uint16_t *row = (const uint16_t *)gate_up + r * 2 * inter;
@@ -197,7 +197,7 @@ INLINE void gelu_tanh_mul_row(const void *gate_up, void *out, int64_t r, int64_t
 }
 
 void detinf_gelu_tanh_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int model_bf16) {
-#pragma omp parallel for schedule(static) if (rows >= 32)
+#pragma omp parallel for schedule(static) if (rowwise_parallel(rows, 2 * inter))
     for (int64_t r = 0; r < rows; r++) {
         if (model_bf16) gelu_tanh_mul_row(gate_up, out, r, inter, 1);
         else gelu_tanh_mul_row(gate_up, out, r, inter, 0);
@@ -335,7 +335,7 @@ int detinf_rotary_write_kv(const void *qkv, const int64_t *positions, const floa
             write_offsets[t] < 0 || write_offsets[t] >= block)
             return 1;
     }
-#pragma omp parallel for schedule(static) if (tokens >= 32)
+#pragma omp parallel for schedule(static) if (rowwise_parallel(tokens, (heads + 2 * kv_heads) * dim))
     for (int64_t t = 0; t < tokens; t++) {
 #if defined(ROWWISE_BF16_512)
         if (model_bf16 && cache_dtype == KV_BF16 && dim % 32 == 0) {

@@ -241,8 +241,10 @@ int detinf_attention_window(const float *q, const void *k_cache, const void *v_c
        item's last value blocks (next_item_of): a decode step's items are a dozen blocks each, and their
        first two otherwise came from memory unrequested. A wrong guess costs one item's first lines fetched
        for another core. Dealt round robin instead (static, 1), a long sequence among short ones put all
-       its KV heads on one thread whenever the tiles were even in number: 31 streams at 192 keys and one at
-       4096 took 1.16-1.27x longer than handed out as threads come free, and the same where all are alike. */
+       its KV heads on one thread whenever the tiles were even in number (30 layers' decode attention, 31
+       streams at 192 keys and one at 4096: 1.16-1.27x the time), and a thread that started late held the
+       others up even where all items are alike (one layer with its cache in L3: 1.57x; 30 from memory:
+       1.03x; AMD Zen 4, 2 threads). */
     const int64_t items = fast ? tiles * kv_heads : tiles;
 #pragma omp parallel reduction(| : status)
     {

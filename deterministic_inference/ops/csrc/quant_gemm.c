@@ -168,6 +168,14 @@ static int64_t fused_row_limit(int64_t format) {
 }
 
 #if defined(DETINF_Q_AVX512)
+/* Whether a single group of rows (m <= FUSED_ROWS) over a repacked panel of `format` also asks for the thread's
+   next panel as it goes (pass_prefetch_of), as several groups always do: K formats from 3 rows. Their own
+   requests alone (two super-blocks ahead, in a burst) left a 3- or 4-row pass slower than two passes of 8 rows;
+   asking for the next panel instead (whose passes then skip their own requests: `covered`) made them 1.23-1.5x
+   faster (Q4_K, Q5_K, Q6_K; bench_gemm_quant, AMD Zen 4, 1 and 2 threads). At 1 and 2 rows it made Q6_K
+   1.3-1.6x slower: a pass that short streams its own blocks at the memory's rate, and the next panel's compete. */
+static int one_group_asks_next(int64_t format, int64_t m) { return format_block_values(format) == SUPER && m >= 3; }
+
 /* What pass (group, h) of a panel's few-row passes (`groups` groups of FUSED_ROWS rows x `halves` halves) asks
    the cache for: its own blocks ahead in the first group only (later groups find the panel cached), and its
    share of the next panel's bytes (a repacked one), so that the next panel's first group reads from cache
@@ -177,9 +185,9 @@ static int64_t fused_row_limit(int64_t format) {
    requests too: they found the lines in cache and only cost issue slots (skipping them made the default
    model's Q8_0 logits head 1.08-1.17x faster at 8-27 rows, Q4_K 1.02-1.10x, AMD Zen 4). Speed only. */
 static pass_prefetch pass_prefetch_of(const detinf_qpart *next_part, const panel_ref *next_ref, int64_t group,
-                                      int64_t groups, int h, int halves, int covered) {
+                                      int64_t groups, int h, int halves, int covered, int one_group) {
     pass_prefetch pf = {group == 0 && !covered, NULL, 0};
-    if (!next_part || next_part->format < X16 || groups < 2) return pf;
+    if (!next_part || next_part->format < X16 || (groups < 2 && !one_group)) return pf;
     const int64_t cols = next_part->cols - next_ref->first_col;
     const int64_t bytes = (cols > QCOLS ? 2 : 1) * QCOLS * next_part->row_bytes;
     const int64_t pass = group * halves + h, passes = groups * halves;
@@ -208,6 +216,7 @@ static int compute_panel(const gemm_call *call, const detinf_qpart *part, const 
     const int64_t fused_rows = src.panel ? fused_row_limit(src.format) : FUSED_ROWS;
     if (call->m <= fused_rows && !(xq == call->x32 && call->amx_tiles) && !reverse) {
         const int64_t groups = (call->m + FUSED_ROWS - 1) / FUSED_ROWS;
+        const int one_group = one_group_asks_next(src.format, call->m);
         int asked = 0;
         for (int64_t r0 = 0; r0 < call->m; r0 += FUSED_ROWS) {
             const xquant rows = xquant_from_row(xq, r0);
@@ -215,7 +224,7 @@ static int compute_panel(const gemm_call *call, const detinf_qpart *part, const 
             for (int h = 0; h < halves; h++) {
                 float *acc = ws->acc + r0 * ACC_COLS + h * QCOLS;
                 const pass_prefetch pf =
-                    pass_prefetch_of(next_part, next_ref, r0 / FUSED_ROWS, groups, h, halves, covered);
+                    pass_prefetch_of(next_part, next_ref, r0 / FUSED_ROWS, groups, h, halves, covered, one_group);
                 asked |= src.panel && pf.next_bytes > 0; /* the stored rows' loops ask for their own lines */
                 if (src.panel) fused_x16_avx512(src.format, src.panel + h * src.half_bytes, &rows, R, &pf, acc);
                 else fused_half_avx512(src.format, src.rows + h * QCOLS, part->row_bytes, &rows, R, acc);

@@ -168,13 +168,14 @@ static int64_t fused_row_limit(int64_t format) {
 }
 
 #if defined(DETINF_Q_AVX512)
-/* Whether a single group of rows (m <= FUSED_ROWS) over a repacked panel of `format` also asks for the thread's
-   next panel as it goes (pass_prefetch_of), as several groups always do: K formats from 3 rows. Their own
-   requests alone (two super-blocks ahead, in a burst) left a 3- or 4-row pass slower than two passes of 8 rows;
-   asking for the next panel instead (whose passes then skip their own requests: `covered`) made them 1.23-1.5x
-   faster (Q4_K, Q5_K, Q6_K; bench_gemm_quant, AMD Zen 4, 1 and 2 threads). At 1 and 2 rows it made Q6_K
-   1.3-1.6x slower: a pass that short streams its own blocks at the memory's rate, and the next panel's compete. */
-static int one_group_asks_next(int64_t format, int64_t m) { return format_block_values(format) == SUPER && m >= 3; }
+/* Whether a single group of rows (m <= FUSED_ROWS) over a repacked panel also asks for the thread's next panel
+   as it goes (pass_prefetch_of), as several groups always do: from 3 rows. Its own requests alone (in bursts)
+   left a 3- or 4-row pass slower than two passes of 8 rows for the K formats; asking for the next panel instead
+   (whose passes then skip their own requests: `covered`) made the passes at 3-4 rows 1.23-1.5x faster for Q4_K,
+   Q5_K and Q6_K, 1.02-1.6x for Q4_0, 1.25-1.37x for Q8_0, Q4_1 the same or up to 1.1x (bench_gemm_quant, AMD
+   Zen 4, 1 and 2 threads). At 1 and 2 rows it made Q6_K 1.3-1.6x slower: a pass that short streams its own
+   blocks at the memory's rate, and the next panel's compete. */
+static int one_group_asks_next(int64_t m) { return m >= 3; }
 
 /* What pass (group, h) of a panel's few-row passes (`groups` groups of FUSED_ROWS rows x `halves` halves) asks
    the cache for: its own blocks ahead in the first group only (later groups find the panel cached), and its
@@ -216,7 +217,7 @@ static int compute_panel(const gemm_call *call, const detinf_qpart *part, const 
     const int64_t fused_rows = src.panel ? fused_row_limit(src.format) : FUSED_ROWS;
     if (call->m <= fused_rows && !(xq == call->x32 && call->amx_tiles) && !reverse) {
         const int64_t groups = (call->m + FUSED_ROWS - 1) / FUSED_ROWS;
-        const int one_group = one_group_asks_next(src.format, call->m);
+        const int one_group = one_group_asks_next(call->m);
         int asked = 0;
         for (int64_t r0 = 0; r0 < call->m; r0 += FUSED_ROWS) {
             const xquant rows = xquant_from_row(xq, r0);

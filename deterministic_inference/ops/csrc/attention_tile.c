@@ -239,7 +239,6 @@ static inline const char *key_pass_ahead(const attention_args *a, const int64_t 
     return NULL;
 }
 
-
 /* The paired key pass's prefetch at blocks b, b + 1: their two slices, asked for a line or two per step of
    the scores' loop over d (scores2_n) instead of all at once. The 64 requests of a burst fill the core's
    miss buffers and stall the work behind them: perf put ~40% of the tile function's own time on the burst

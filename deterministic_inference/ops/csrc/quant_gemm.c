@@ -168,27 +168,28 @@ static int64_t fused_row_limit(int64_t format) {
 }
 
 #if defined(DETINF_Q_AVX512)
-/* Whether a single group of rows (m <= FUSED_ROWS) over a repacked panel also asks for the thread's next panel
-   as it goes (pass_prefetch_of), as several groups always do: from 3 rows. Its own requests alone (in bursts)
-   left a 3- or 4-row pass slower than two passes of 8 rows for the K formats; asking for the next panel instead
-   (whose passes then skip their own requests: `covered`) made the passes at 3-4 rows 1.23-1.5x faster for Q4_K,
-   Q5_K and Q6_K, 1.02-1.6x for Q4_0, 1.25-1.37x for Q8_0, Q4_1 the same or up to 1.1x (bench_gemm_quant, AMD
-   Zen 4, 1 and 2 threads). At 1 and 2 rows it made Q6_K 1.3-1.6x slower: a pass that short streams its own
-   blocks at the memory's rate, and the next panel's compete. */
-static int one_group_asks_next(int64_t m) { return m >= 3; }
+/* From how many rows a call's few-row passes over repacked panels ask for the thread's next panel as they go
+   (pass_prefetch_of). Several groups of rows always did; a single group of 3 or 4 rows did not, and its own
+   requests alone (in bursts) left it slower than two groups of 8 rows for the K formats. Asking for the next
+   panel (whose passes then skip their own requests: `covered`) made 3-4 rows 1.23-1.5x faster for Q4_K, Q5_K
+   and Q6_K, 1.02-1.6x for Q4_0, 1.25-1.37x for Q8_0, Q4_1 the same or up to 1.1x (bench_gemm_quant, AMD Zen 4,
+   1 and 2 threads). At 1 and 2 rows it made Q6_K 1.3-1.6x slower: a pass that short streams its own blocks at
+   the memory's rate, and the next panel's compete. */
+#define NEXT_PANEL_FROM_ROWS 3
 
 /* What pass (group, h) of a panel's few-row passes (`groups` groups of FUSED_ROWS rows x `halves` halves) asks
-   the cache for: its own blocks ahead in the first group only (later groups find the panel cached), and its
-   share of the next panel's bytes (a repacked one), so that the next panel's first group reads from cache
-   instead of streaming from memory at the rate it computes (one Zen 4 core streams ~19 GB/s; a group of 4
-   rows of Q4_0 consumes ~23). The omp schedule is static: the next panel in the list is this thread's next
-   (or none). A panel the thread's previous panel asked for this way (`covered`) skips its own blocks'
-   requests too: they found the lines in cache and only cost issue slots (skipping them made the default
-   model's Q8_0 logits head 1.08-1.17x faster at 8-27 rows, Q4_K 1.02-1.10x, AMD Zen 4). Speed only. */
+   the cache for: its own blocks ahead in the first group only (later groups find the panel cached), and
+   (share_next: from NEXT_PANEL_FROM_ROWS rows) its share of the next panel's bytes (a repacked one), so that
+   the next panel's first group reads from cache instead of streaming from memory at the rate it computes
+   (one Zen 4 core streams ~19 GB/s; a group of 4 rows of Q4_0 consumes ~23). The omp schedule is static:
+   the next panel in the list is this thread's next (or none). A panel the thread's previous panel asked for
+   this way (`covered`) skips its own blocks' requests too: they found the lines in cache and only cost issue
+   slots (skipping them made the default model's Q8_0 logits head 1.08-1.17x faster at 8-27 rows, Q4_K
+   1.02-1.10x, AMD Zen 4). Speed only. */
 static pass_prefetch pass_prefetch_of(const detinf_qpart *next_part, const panel_ref *next_ref, int64_t group,
-                                      int64_t groups, int h, int halves, int covered, int one_group) {
+                                      int64_t groups, int h, int halves, int covered, int share_next) {
     pass_prefetch pf = {group == 0 && !covered, NULL, 0};
-    if (!next_part || next_part->format < X16 || (groups < 2 && !one_group)) return pf;
+    if (!next_part || next_part->format < X16 || !share_next) return pf;
     const int64_t cols = next_part->cols - next_ref->first_col;
     const int64_t bytes = (cols > QCOLS ? 2 : 1) * QCOLS * next_part->row_bytes;
     const int64_t pass = group * halves + h, passes = groups * halves;
@@ -217,7 +218,7 @@ static int compute_panel(const gemm_call *call, const detinf_qpart *part, const 
     const int64_t fused_rows = src.panel ? fused_row_limit(src.format) : FUSED_ROWS;
     if (call->m <= fused_rows && !(xq == call->x32 && call->amx_tiles) && !reverse) {
         const int64_t groups = (call->m + FUSED_ROWS - 1) / FUSED_ROWS;
-        const int one_group = one_group_asks_next(call->m);
+        const int share_next = call->m >= NEXT_PANEL_FROM_ROWS;
         int asked = 0;
         for (int64_t r0 = 0; r0 < call->m; r0 += FUSED_ROWS) {
             const xquant rows = xquant_from_row(xq, r0);
@@ -225,7 +226,7 @@ static int compute_panel(const gemm_call *call, const detinf_qpart *part, const 
             for (int h = 0; h < halves; h++) {
                 float *acc = ws->acc + r0 * ACC_COLS + h * QCOLS;
                 const pass_prefetch pf =
-                    pass_prefetch_of(next_part, next_ref, r0 / FUSED_ROWS, groups, h, halves, covered, one_group);
+                    pass_prefetch_of(next_part, next_ref, r0 / FUSED_ROWS, groups, h, halves, covered, share_next);
                 asked |= src.panel && pf.next_bytes > 0; /* the stored rows' loops ask for their own lines */
                 if (src.panel) fused_x16_avx512(src.format, src.panel + h * src.half_bytes, &rows, R, &pf, acc);
                 else fused_half_avx512(src.format, src.rows + h * QCOLS, part->row_bytes, &rows, R, acc);

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deterministic_inference.ops.native import NativeKernels
-from deterministic_inference.ops.quant import FORMATS, QuantizedWeight, QuantLinear
+from deterministic_inference.ops.quant import FORMATS, TEST_REVERSE, QuantizedWeight, QuantLinear
 from deterministic_inference.ops.quant_probe import random_weight
 from deterministic_inference.ops.repack import _library, give_back_superseded, repacked, stored_rows
 from deterministic_inference.ops.weights import Embedding, RowOrdered
@@ -32,29 +32,48 @@ def repacking(kernels: NativeKernels) -> NativeKernels:
     return kernels
 
 
-def _parts(seed: int) -> tuple[list[QuantizedWeight], list[torch.Tensor | None]]:
-    """q/k/v-like parts: Q4_0 through a row order, Q8_0, Q4_1 of 48 rows (a panel of one half), Q4_0."""
+def _parts(seed: int, k: int = K) -> tuple[list[QuantizedWeight], list[torch.Tensor | None]]:
+    """q/k/v-like parts of k values: Q4_0 through a row order, Q8_0, Q4_1 of 48 rows (a panel of one half),
+    Q4_0."""
     generator = torch.Generator().manual_seed(seed)
     shapes = (("Q4_0", 64), ("Q8_0", 32), ("Q4_1", 48), ("Q4_0", 16))
-    parts = [random_weight(name, rows, K, generator) for name, rows in shapes]
+    parts = [random_weight(name, rows, k, generator) for name, rows in shapes]
     orders: list[torch.Tensor | None] = [torch.randperm(64, generator=generator), None, None, None]
     return parts, orders
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_repacked_parts_give_the_stored_bits(repacking: NativeKernels, out_dtype: torch.dtype) -> None:
-    parts, orders = _parts(seed=3)
+# odd blocks: the last pair of the repacked layout holds one block
+@pytest.mark.parametrize("k", [K, K + 32], ids=["even-blocks", "odd-blocks"])
+def test_repacked_parts_give_the_stored_bits(
+    repacking: NativeKernels, out_dtype: torch.dtype, k: int
+) -> None:
+    parts, orders = _parts(seed=3, k=k)
     bias = torch.randn(160, generator=torch.Generator().manual_seed(4))
     repacked = QuantLinear(repacking, parts, bias=bias, out_dtype=out_dtype, row_orders=orders)
     stored = QuantLinear(repacking, parts, bias=bias, out_dtype=out_dtype, row_orders=orders, repack=False)
     assert (repacked.repacked_parts, stored.repacked_parts) == (4, 0)
-    x = torch.randn(70, K, generator=torch.Generator().manual_seed(5)).bfloat16()
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(5)).bfloat16()
     for threads in (1, 2):
         with num_threads(threads):
             # repacked: the few-row loops, 4 rows at a time up to fused_row_limit (12 to 64 rows by format),
             # then the unpacking path; stored: the few-row loops up to 4 rows, then the unpacking path
             for rows in (1, 2, 3, 4, 5, 9, 13, 33, 70):
                 assert torch.equal(bits(repacked(x[:rows])), bits(stored(x[:rows]))), (threads, rows)
+
+
+@pytest.mark.parametrize("k", [K, K + 32], ids=["even-blocks", "odd-blocks"])
+def test_the_unpacking_path_reads_the_repacked_layout_as_stored(repacking: NativeKernels, k: int) -> None:
+    """The many-row path's unpacking of a repacked panel (which AMX builds take from 16 rows) gives the
+    stored layout's bits: TEST_REVERSE sends every row count through it on any build."""
+    parts, orders = _parts(seed=11, k=k)
+    fp32 = torch.float32
+    repacked = QuantLinear(repacking, parts, bias=None, out_dtype=fp32, row_orders=orders)
+    stored = QuantLinear(repacking, parts, bias=None, out_dtype=fp32, row_orders=orders, repack=False)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(12)).bfloat16()
+    for rows in (1, 5, 20):
+        from_repacked = repacked.forward_with_flags(x[:rows], TEST_REVERSE)
+        assert torch.equal(bits(from_repacked), bits(stored.forward_with_flags(x[:rows], TEST_REVERSE))), rows
 
 
 @pytest.mark.parametrize("name", REPACKED)
@@ -69,9 +88,9 @@ def test_repacked_parts_are_the_documented_sequence(repacking: NativeKernels, na
 
 @pytest.mark.parametrize(
     ("part", "byte"),
-    # Q4_0: block 0's scale, column 0; Q8_0: block 0's first quant byte, column 0 (past its K / 32 fields of
-    # 32 bytes); Q4_1: block 0's min, column 1
-    [(0, 0), (1, (K // 32) * 32), (2, 2 * (K // 32) * 16 + 2)],
+    # Q4_0: block 0's scale, column 0; Q8_0: block 0's first quant byte, column 0 (past the first pair's two
+    # fields of 32 bytes); Q4_1: block 0's min, column 1 (past the pair's two d fields)
+    [(0, 0), (1, 64), (2, 64 + 2)],
     ids=["q4_0-scale", "q8_0-quant", "q4_1-min"],
 )
 def test_negative_control_a_damaged_repacked_copy_is_detected(

@@ -64,12 +64,29 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 /* not ggml types: Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K repacked at load into 16-column panels (quant_repack.c);
    id = format + X16 */
 enum { X16 = 100 };
-/* the repacked 32-value formats' layout (quant_repack.c): per block, fp16 fields of 16 columns, then quant bytes */
+/* the repacked 32-value formats' layout (quant_repack.c): blocks in pairs, each pair's fp16 fields of 16
+   columns, then its quant bytes */
 #define X16_FIELD_BYTES 32 /* one fp16 field of one block, 16 columns */
 #define X16_QS_BYTES 256   /* one 4-bit block's quant bytes, 16 columns x 16 (Q8_0: twice as many) */
 /* fp16 fields per block (Q4_1: d and m; Q4_0, Q8_0: d), and quant bytes per block of 16 columns */
 static inline int x16_fields(int64_t format) { return format == Q4_1 ? 2 : 1; }
 static inline int64_t x16_qs_bytes(int64_t format) { return format == Q8_0 ? 2 * X16_QS_BYTES : X16_QS_BYTES; }
+/* Bytes of one block of a 16-column panel (16 stored blocks' worth) */
+static inline int64_t x16_block_bytes(int64_t format) {
+    return X16_FIELD_BYTES * x16_fields(format) + x16_qs_bytes(format);
+}
+/* Where block b of a panel of `blocks` blocks starts its pair, and how many blocks that pair holds (2; the
+   last one 1 when blocks is odd) */
+static inline int64_t x16_pair_at(int64_t format, int64_t b) { return x16_block_bytes(format) * (b & ~(int64_t)1); }
+static inline int64_t x16_pair_blocks(int64_t b, int64_t blocks) { return (b | 1) < blocks ? 2 : 1; }
+/* Byte offsets in the panel of block b's fp16 field f (16 columns), and of its quant bytes */
+static inline int64_t x16_field_at(int64_t format, int64_t blocks, int64_t b, int f) {
+    return x16_pair_at(format, b) + X16_FIELD_BYTES * (f * x16_pair_blocks(b, blocks) + (b & 1));
+}
+static inline int64_t x16_qs_at(int64_t format, int64_t blocks, int64_t b) {
+    return x16_pair_at(format, b) + X16_FIELD_BYTES * x16_fields(format) * x16_pair_blocks(b, blocks) +
+           x16_qs_bytes(format) * (b & 1);
+}
 
 /* The stored format of a part's format id (a repacked part's id less X16) */
 static inline int64_t stored_format(int64_t id) { return id >= X16 ? id - X16 : id; }

@@ -177,18 +177,27 @@ static int64_t fused_row_limit(int64_t format) {
    the memory's rate, and the next panel's compete. */
 #define NEXT_PANEL_FROM_ROWS 3
 
+/* Whether a pass that streams its own panel from memory is faster asking for its blocks ahead. Not below
+   NEXT_PANEL_FROM_ROWS rows, except for Q6_K: such a pass over a repacked Q4_0, Q4_1, Q8_0 (quant_repack.c),
+   Q4_K or Q5_K panel reads it as one ascending stream, which the hardware prefetchers keep ahead of, and
+   requests of its own only held it back (16 layers of the 1B shapes at 1 row, back to back, one thread, AMD
+   Zen 4: 1.17x slower with them in Q4_0, 1.27x in Q4_K). A Q6_K pass reads each super-block's high bits
+   before its low ones and needs them (2.6x slower without). */
+static int own_requests_help(int64_t format, int64_t m) { return m >= NEXT_PANEL_FROM_ROWS || format == Q6_K; }
+
 /* What pass (group, h) of a panel's few-row passes (`groups` groups of FUSED_ROWS rows x `halves` halves) asks
    the cache for: its own blocks ahead in the first group only (later groups find the panel cached), and
    (share_next: from NEXT_PANEL_FROM_ROWS rows) its share of the next panel's bytes (a repacked one), so that
    the next panel's first group reads from cache instead of streaming from memory at the rate it computes
    (one Zen 4 core streams ~19 GB/s; a group of 4 rows of Q4_0 consumes ~23). The omp schedule is static:
-   the next panel in the list is this thread's next (or none). A panel the thread's previous panel asked for
-   this way (`covered`) skips its own blocks' requests too: they found the lines in cache and only cost issue
-   slots (skipping them made the default model's Q8_0 logits head 1.08-1.17x faster at 8-27 rows, Q4_K
-   1.02-1.10x, AMD Zen 4). Speed only. */
+   the next panel in the list is this thread's next (or none). skip_own: the pass asks for none of its own
+   blocks. So does a panel the thread's previous panel asked for this way: they found the lines in cache and
+   only cost issue slots (skipping them made the default model's Q8_0 logits head 1.08-1.17x faster at 8-27
+   rows, Q4_K 1.02-1.10x, AMD Zen 4); and a lone pass of 1-2 rows over a 32-value panel (own_requests_help).
+   Speed only. */
 static pass_prefetch pass_prefetch_of(const detinf_qpart *next_part, const panel_ref *next_ref, int64_t group,
-                                      int64_t groups, int h, int halves, int covered, int share_next) {
-    pass_prefetch pf = {group == 0 && !covered, NULL, 0};
+                                      int64_t groups, int h, int halves, int skip_own, int share_next) {
+    pass_prefetch pf = {group == 0 && !skip_own, NULL, 0};
     if (!next_part || next_part->format < X16 || !share_next) return pf;
     const int64_t cols = next_part->cols - next_ref->first_col;
     const int64_t bytes = (cols > QCOLS ? 2 : 1) * QCOLS * next_part->row_bytes;
@@ -219,6 +228,7 @@ static int compute_panel(const gemm_call *call, const detinf_qpart *part, const 
     if (call->m <= fused_rows && !(xq == call->x32 && call->amx_tiles) && !reverse) {
         const int64_t groups = (call->m + FUSED_ROWS - 1) / FUSED_ROWS;
         const int share_next = call->m >= NEXT_PANEL_FROM_ROWS;
+        const int skip_own = covered || !own_requests_help(src.format, call->m);
         int asked = 0;
         for (int64_t r0 = 0; r0 < call->m; r0 += FUSED_ROWS) {
             const xquant rows = xquant_from_row(xq, r0);
@@ -226,7 +236,7 @@ static int compute_panel(const gemm_call *call, const detinf_qpart *part, const 
             for (int h = 0; h < halves; h++) {
                 float *acc = ws->acc + r0 * ACC_COLS + h * QCOLS;
                 const pass_prefetch pf =
-                    pass_prefetch_of(next_part, next_ref, r0 / FUSED_ROWS, groups, h, halves, covered, share_next);
+                    pass_prefetch_of(next_part, next_ref, r0 / FUSED_ROWS, groups, h, halves, skip_own, share_next);
                 asked |= src.panel && pf.next_bytes > 0; /* the stored rows' loops ask for their own lines */
                 if (src.panel) fused_x16_avx512(src.format, src.panel + h * src.half_bytes, &rows, R, &pf, acc);
                 else fused_half_avx512(src.format, src.rows + h * QCOLS, part->row_bytes, &rows, R, acc);

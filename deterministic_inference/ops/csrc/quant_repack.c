@@ -5,9 +5,16 @@
    LAYOUT of a part with N output columns (N a multiple of 16) of K = 32 * B values: panel p holds output
    columns 16p .. 16p + 15 (after the row order) in 16 * row_bytes bytes (the repacked part is exactly as
    large as the stored one). With H = 1 (Q4_0, Q8_0: d) or 2 (Q4_1: d, m) fp16 fields per block and
-   Q = 16 (Q4_0, Q4_1) or 32 (Q8_0) quant bytes per column and block:
-     fields [H][B][16] fp16       field f of column c's block b at 32 (f B + b) + 2 c
-     qs     [B][Q/4][16][4] u8    at 32 H B + 16 Q b + 64 t + 4 c + j: byte 4 t + j of column c's Q bytes
+   Q = 16 (Q4_0, Q4_1) or 32 (Q8_0) quant bytes per column and block, a block takes P = 32 H + 16 Q bytes
+   (x16_block_bytes), and the blocks go in pairs: pair i (blocks 2i + e, e < n; n = 2, or 1 for the last
+   block when B is odd) at 2 P i holds
+     fields [H][n][16] fp16       field f of column c's block 2i + e at 2 P i + 32 (f n + e) + 2 c
+     qs     [n][Q/4][16][4] u8    at 2 P i + 32 H n + 16 Q e + 64 t + 4 c + j: byte 4 t + j of column c's Q
+                                  bytes
+   (quant.h's x16_field_at, x16_qs_at). A pass over the blocks so reads its panel as one ascending stream,
+   every pair from a 64-byte line (2P = 576, 640, 1088). With all of a panel's fields ahead of all its
+   quants, two streams, one thread read Q4_0 panels at ~2/3 of the rate it streams memory (1 row, AMD Zen
+   4: the hardware prefetchers did not keep both ahead; prefetch instructions did not make up for it).
    Q4_0 / Q4_1: a byte still holds value 4 t + j in its low nibble and value 16 + 4 t + j in its high
    nibble, so the low nibbles of the 64 bytes at t are group t of the unpacked unit and the high nibbles
    group t + 4. Q8_0: a byte holds value 4 t + j plus 128 (its sign bit flipped), the unsigned integer the
@@ -71,17 +78,17 @@ void detinf_repack(int64_t format, const uint8_t *src, const int64_t *row_order,
     const int64_t qs_bytes = x16_qs_bytes(format);
     const uint8_t flip = format == Q8_0 ? 0x80 : 0; /* Q8_0: q + 128, the unsigned integer VPDPBUSD reads */
     for (int64_t panel = col0 / QCOLS; panel < (col0 + cols) / QCOLS; panel++) {
-        uint8_t *head = dst + panel * QCOLS * row_bytes, *qs = head + X16_FIELD_BYTES * fields * blocks;
+        uint8_t *head = dst + panel * QCOLS * row_bytes;
         for (int c = 0; c < QCOLS; c++) {
             const int64_t column = panel * QCOLS + c;
             const uint8_t *row = src + (row_order ? row_order[column] : column) * row_bytes;
             for (int64_t b = 0; b < blocks; b++) {
                 const uint8_t *block = row + block_bytes * b;
                 for (int f = 0; f < fields; f++)
-                    memcpy(head + X16_FIELD_BYTES * (f * blocks + b) + 2 * c, block + 2 * f, 2);
+                    memcpy(head + x16_field_at(format, blocks, b, f) + 2 * c, block + 2 * f, 2);
+                uint8_t *qs = head + x16_qs_at(format, blocks, b);
                 for (int t = 0; t < qs_bytes / 64; t++)
-                    for (int j = 0; j < 4; j++)
-                        qs[qs_bytes * b + 64 * t + 4 * c + j] = block[2 * fields + 4 * t + j] ^ flip;
+                    for (int j = 0; j < 4; j++) qs[64 * t + 4 * c + j] = block[2 * fields + 4 * t + j] ^ flip;
             }
         }
     }
@@ -104,12 +111,13 @@ static void unrepack_column(int64_t format, const uint8_t *panel, int64_t row_by
     }
     const int fields = x16_fields(format);
     const int64_t blocks = row_bytes / bytes, qs_bytes = x16_qs_bytes(format);
-    const uint8_t flip = format == Q8_0 ? 0x80 : 0, *qs = panel + X16_FIELD_BYTES * fields * blocks;
+    const uint8_t flip = format == Q8_0 ? 0x80 : 0;
     for (int64_t b = 0; b < blocks; b++) {
         uint8_t *block = row + bytes * b;
-        for (int f = 0; f < fields; f++) memcpy(block + 2 * f, panel + X16_FIELD_BYTES * (f * blocks + b) + 2 * c, 2);
+        for (int f = 0; f < fields; f++) memcpy(block + 2 * f, panel + x16_field_at(format, blocks, b, f) + 2 * c, 2);
+        const uint8_t *qs = panel + x16_qs_at(format, blocks, b);
         for (int t = 0; t < qs_bytes / 64; t++)
-            for (int j = 0; j < 4; j++) block[2 * fields + 4 * t + j] = qs[qs_bytes * b + 64 * t + 4 * c + j] ^ flip;
+            for (int j = 0; j < 4; j++) block[2 * fields + 4 * t + j] = qs[64 * t + 4 * c + j] ^ flip;
     }
 }
 
@@ -133,15 +141,11 @@ static inline void x16_fields_f32(const uint8_t *at, float *out) {
 }
 
 /* One 4-bit unit's 256 repacked bytes q -> its unpacked unit w: the low nibbles are groups 0-3, the high
-   nibbles groups 4-7 (the layout above). The AVX-512 build also asks for the bytes one chunk (16 units)
-   ahead: at a few dozen rows the GEMM streams the weights from memory here, and the hardware
-   prefetchers alone leave part of the rate behind (as in fused_x16 below); a prefetch past the panel's
-   end is harmless. */
+   nibbles groups 4-7 (the layout above). */
 static inline void unpack_nibbles(const uint8_t *q, uint8_t *w) {
 #if defined(DETINF_Q_AVX512)
     const __m512i low_mask = _mm512_set1_epi8(0x0F);
     for (int t = 0; t < X16_QS_BYTES / 64; t++) {
-        _mm_prefetch((const char *)(q + CHUNK_UNITS * X16_QS_BYTES + 64 * t), _MM_HINT_T0);
         const __m512i v = _mm512_loadu_si512(q + 64 * t);
         _mm512_storeu_si512(w + 64 * t, _mm512_and_si512(v, low_mask));
         _mm512_storeu_si512(w + X16_QS_BYTES + 64 * t, _mm512_and_si512(_mm512_srli_epi16(v, 4), low_mask));
@@ -163,14 +167,14 @@ void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0
         return;
     }
 #endif
-    const int fields = x16_fields(format);
-    const uint8_t *qs = panel + X16_FIELD_BYTES * fields * blocks;
-    const int64_t qs_bytes = x16_qs_bytes(format);
     for (int64_t u = 0; u < units; u++) {
-        const uint8_t *d = panel + X16_FIELD_BYTES * (u0 + u), *m = d + X16_FIELD_BYTES * blocks;
-        x16_fields_f32(d, p->d + u * QCOLS);
-        if (fields == 2) x16_fields_f32(m, p->m + u * QCOLS);
-        const uint8_t *q = qs + qs_bytes * (u0 + u);
+        const int64_t b = u0 + u;
+#if defined(DETINF_Q_AVX512) /* one chunk ahead: at a few dozen rows the GEMM streams the weights from memory here */
+        if (!(b & 1)) prefetch_lines(panel + x16_pair_at(format, b + CHUNK_UNITS), 2 * x16_block_bytes(format));
+#endif
+        x16_fields_f32(panel + x16_field_at(format, blocks, b, 0), p->d + u * QCOLS);
+        if (x16_fields(format) == 2) x16_fields_f32(panel + x16_field_at(format, blocks, b, 1), p->m + u * QCOLS);
+        const uint8_t *q = panel + x16_qs_at(format, blocks, b);
         uint8_t *w = p->w + u * UNIT_BYTES;
         if (format == Q8_0) { /* already the unit's bytes (UNIT_BYTES of them) */
             memcpy(w, q, UNIT_BYTES);
@@ -182,53 +186,37 @@ void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0
 
 #if defined(DETINF_Q_AVX512)
 
-/* Blocks the few-row loops below ask for ahead of the one they read. Before its loop each panel asks for its
-   first FUSED_AHEAD blocks (quants and fp16 fields): the loop's own requests never cover them, and what
-   lies between the previous panel's last request and this loop's first otherwise reaches the core by the
-   hardware's prefetchers only, which cost a single stream 10-25% of its rate at 576- and 2048-value rows
-   (bench/RESULTS.md, issue 36, AMD EPYC Zen 4). */
+/* Blocks the few-row loops below ask for ahead of the one they read, when they stream a panel's blocks
+   themselves (pass_prefetch's `own`: from NEXT_PANEL_FROM_ROWS rows, the first panel a thread takes). Before
+   its loop a panel asks for its first FUSED_AHEAD blocks: the loop's own requests never cover them. */
 #define FUSED_AHEAD 16
 
-/* Before a panel's loop: its first FUSED_AHEAD blocks' quants (qs_bytes a block) and fp16 fields (d, and m
-   unless NULL). */
-INLINE void prefetch_panel_head(const uint8_t *qs, int64_t qs_bytes, const uint8_t *d, const uint8_t *m,
-                                int64_t blocks) {
-    const int64_t head = blocks < FUSED_AHEAD ? blocks : FUSED_AHEAD;
-    prefetch_lines(qs, qs_bytes * head);
-    prefetch_lines(d, X16_FIELD_BYTES * head);
-    if (m) prefetch_lines(m, X16_FIELD_BYTES * head);
+INLINE void prefetch_x16_head(int64_t format, const uint8_t *panel, int64_t blocks) {
+    prefetch_lines(panel, x16_block_bytes(format) * (blocks < FUSED_AHEAD ? blocks : FUSED_AHEAD));
 }
 
-/* In the loop, at block b: block b + FUSED_AHEAD's quants, and every other block its fields' line (one
-   thread streams from memory; the hardware prefetchers alone left ~10% of the rate behind). */
-INLINE void prefetch_block_ahead(const uint8_t *qs, int64_t qs_bytes, const uint8_t *d, const uint8_t *m,
-                                 int64_t b) {
-    prefetch_lines(qs + qs_bytes * (b + FUSED_AHEAD), qs_bytes);
-    if (b % 2) return;
-    const int64_t field_ahead = X16_FIELD_BYTES * (b + FUSED_AHEAD);
-    _mm_prefetch((const char *)(d + field_ahead), _MM_HINT_T0);
-    if (m) _mm_prefetch((const char *)(m + field_ahead), _MM_HINT_T0);
+/* In the loop, at the first block of each pair: the pair FUSED_AHEAD blocks on (past the end: harmless) */
+INLINE void prefetch_x16_ahead(int64_t format, const uint8_t *panel, int64_t b) {
+    if (!(b & 1)) prefetch_lines(panel + x16_pair_at(format, b + FUSED_AHEAD), 2 * x16_block_bytes(format));
 }
 
 /* Rows [0, R) x one panel, every block; acc rows of ACC_COLS floats (quant.h's sequence for the format:
    acc = fmaf(d_b * dx_b, (float)isum_b, acc), then for Q4_1 acc = fmaf(m_b * dx_b, (float)sx_b, acc)). */
 INLINE void fused_x16(const uint8_t *panel, const xquant *xq, const int R, const int has_min, const pass_prefetch *pf,
                       float *acc) {
-    const int64_t k = xq->k, blocks = k / UNIT;
-    const uint8_t *d = panel, *m = panel + X16_FIELD_BYTES * blocks;
-    const uint8_t *qs = d + X16_FIELD_BYTES * (1 + has_min) * blocks;
+    const int64_t k = xq->k, blocks = k / UNIT, format = has_min ? Q4_1 : Q4_0;
     const int32_t offset = has_min ? 0 : 8; /* Q4_0's weights are q - 8 */
     const __m512i low_mask = _mm512_set1_epi8(0x0F), high_mask = _mm512_set1_epi8((char)0xF0);
     __m512 f[FUSED_ROWS];
     for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */
-    if (pf->own) prefetch_panel_head(qs, X16_QS_BYTES, d, has_min ? m : NULL, blocks);
+    if (pf->own) prefetch_x16_head(format, panel, blocks);
     const int64_t share_step = next_share_step(pf, blocks);
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *q = qs + X16_QS_BYTES * b;
-        if (pf->own) prefetch_block_ahead(qs, X16_QS_BYTES, d, has_min ? m : NULL, b);
+        const uint8_t *q = panel + x16_qs_at(format, blocks, b);
+        if (pf->own) prefetch_x16_ahead(format, panel, b);
         prefetch_next_share(pf, share_step, b);
-        const __m512 scale = halves16(d + X16_FIELD_BYTES * b);
-        const __m512 min = has_min ? halves16(m + X16_FIELD_BYTES * b) : _mm512_setzero_ps();
+        const __m512 scale = halves16(panel + x16_field_at(format, blocks, b, 0));
+        const __m512 min = has_min ? halves16(panel + x16_field_at(format, blocks, b, 1)) : _mm512_setzero_ps();
         __m512i low[4], high[4]; /* values 4t..4t+3, and 16 times values 16+4t..16+4t+3, of every column */
 #pragma GCC unroll 4
         for (int t = 0; t < 4; t++) {
@@ -259,17 +247,16 @@ INLINE void fused_x16(const uint8_t *panel, const xquant *xq, const int R, const
 /* Q8_0 rows [0, R) x one panel (quant.h: acc = fmaf(d_b * dx_b, (float)isum_b, acc)); the stored bytes
    are q + 128, so isum_b = sum (q + 128) x - 128 sx_b, exact in int32 like every dot product here. */
 INLINE void fused_x16_q8(const uint8_t *panel, const xquant *xq, const int R, const pass_prefetch *pf, float *acc) {
-    const int64_t k = xq->k, blocks = k / UNIT, qs_bytes = x16_qs_bytes(Q8_0);
-    const uint8_t *d = panel, *qs = panel + X16_FIELD_BYTES * blocks;
+    const int64_t k = xq->k, blocks = k / UNIT;
     __m512 f[FUSED_ROWS];
     for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps(); /* acc = +0 */
-    if (pf->own) prefetch_panel_head(qs, qs_bytes, d, NULL, blocks);
+    if (pf->own) prefetch_x16_head(Q8_0, panel, blocks);
     const int64_t share_step = next_share_step(pf, blocks);
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *q = qs + qs_bytes * b;
-        if (pf->own) prefetch_block_ahead(qs, qs_bytes, d, NULL, b);
+        const uint8_t *q = panel + x16_qs_at(Q8_0, blocks, b);
+        if (pf->own) prefetch_x16_ahead(Q8_0, panel, b);
         prefetch_next_share(pf, share_step, b);
-        const __m512 scale = halves16(d + X16_FIELD_BYTES * b);
+        const __m512 scale = halves16(panel + x16_field_at(Q8_0, blocks, b, 0));
         __m512i w[8]; /* group t: values 4t..4t+3 (+ 128) of every column */
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) w[t] = _mm512_loadu_si512(q + 64 * t);

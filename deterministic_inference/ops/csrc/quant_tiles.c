@@ -173,19 +173,14 @@ INLINE void format_tiles(int64_t format, const qpanel *p, int64_t u0, int64_t co
    `units` blocks per row), units [u0, u0 + count): the values unpack_x16 would write, taken in registers. */
 INLINE void x16_format_tiles(int64_t format, const uint8_t *panel, int64_t units, int64_t u0, int64_t count,
                              uint16_t *tiles) {
-    const int fields = x16_fields(format);
-    const int64_t qs_bytes = x16_qs_bytes(format);
-    const uint8_t *qs = panel + X16_FIELD_BYTES * fields * units;
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t u = u0; u < u0 + count; u++) {
         unit_factors f;
-        f.scale[0] = f.scale[1] = halves16(panel + X16_FIELD_BYTES * u);
-        f.minimum = fields == 2 ? halves16(panel + X16_FIELD_BYTES * (units + u)) : _mm512_setzero_ps();
-        const uint8_t *q = qs + qs_bytes * u;
-        /* the bytes X16_AHEAD units on, into L1: at a few dozen rows the GEMM streams the weights from memory */
-        prefetch_lines(q + X16_AHEAD * qs_bytes, qs_bytes);
-        for (int field = 0; field < fields; field++)
-            _mm_prefetch((const char *)(panel + X16_FIELD_BYTES * (field * units + u + X16_AHEAD)), _MM_HINT_T0);
+        f.scale[0] = f.scale[1] = halves16(panel + x16_field_at(format, units, u, 0));
+        f.minimum = x16_fields(format) == 2 ? halves16(panel + x16_field_at(format, units, u, 1)) : _mm512_setzero_ps();
+        const uint8_t *q = panel + x16_qs_at(format, units, u);
+        /* the pair X16_AHEAD units on, into L1: at a few dozen rows the GEMM streams the weights from memory */
+        if (!(u & 1)) prefetch_lines(panel + x16_pair_at(format, u + X16_AHEAD), 2 * x16_block_bytes(format));
         __m512i words[8];
         for (int t = 0; t < 4; t++) {
             const __m512i v = _mm512_loadu_si512(q + 64 * t);

@@ -111,10 +111,11 @@ def test_negative_control_a_damaged_repacked_copy_is_detected(
 @pytest.mark.parametrize(
     ("name", "byte"),
     # Q4_K / Q5_K: piece 0 holds each column's d, dmin and scales: byte 0 is column 0's d (lowest mantissa
-    # bit); piece 1 (at 256) starts column 0's first quant bytes (Q4_K) or fifth bits (Q5_K). Q6_K: pieces
-    # 0-7 hold ql, 8-11 qh (column 0's first at 2048), 12 the scales (at 3072), then the 16 columns' d
-    # (column 0's at 3328, past the 13 whole pieces)
-    [("Q4_K", 0), ("Q4_K", 256), ("Q5_K", 256), ("Q6_K", 0), ("Q6_K", 2048), ("Q6_K", 3072), ("Q6_K", 3328)],
+    # bit); piece 1 (at 256) starts column 0's first quant bytes (Q4_K) or fifth bits (Q5_K). Q6_K, its pieces
+    # in the order its loops read them: the scales (stored piece 12, at 0), the first half's qh (8 and 9,
+    # column 0's first at 256) and ql (0 to 3, from 768), the second half's; then, past both super-blocks'
+    # 13 pieces of the first pair, the 16 columns' d (column 0's at 2 x 3328)
+    [("Q4_K", 0), ("Q4_K", 256), ("Q5_K", 256), ("Q6_K", 768), ("Q6_K", 256), ("Q6_K", 0), ("Q6_K", 6656)],
     ids=["q4_k-d", "q4_k-quant", "q5_k-high-bits", "q6_k-low-bits", "q6_k-high-bits", "q6_k-scale", "q6_k-d"],
 )
 def test_negative_control_a_damaged_repacked_k_panel_is_detected(

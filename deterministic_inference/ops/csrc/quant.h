@@ -162,6 +162,27 @@ static inline int64_t format_block_bytes(int64_t format) {
     }
 }
 
+/* Where a repacked K-format half panel (quant_repack.c) keeps super-block s's whole 16-byte piece `piece` (its
+   16 columns' stored bytes 16 piece .. 16 piece + 15, 256 bytes), and its rest (the 16 columns' bytes past
+   the whole pieces: Q6_K's fp16 d, 32 bytes), as byte offsets. Q4_K and Q5_K: super-block s at 16 S s, its
+   pieces in stored order. Q6_K: its pieces in the order its loops read them (the scales, then for each half
+   of the values its high bits and its low bits: Q6K_PLACE), and its super-blocks (16 S = 3360 bytes, not a
+   whole number of 64-byte lines) in pairs, both 13 pieces of one, both of the other, then both rests, so
+   that every piece starts a line (the last super-block of an odd count alone, its rest after it). */
+#define Q6K_PIECES 13
+static inline int64_t k_piece_at(int64_t format, int64_t s, int64_t piece) {
+    static const int8_t q6k_place[Q6K_PIECES] = {3, 4, 5, 6, 9, 10, 11, 12, 1, 2, 7, 8, 0}; /* stored piece -> place */
+    const int64_t bytes = 16 * format_block_bytes(format);
+    if (format != Q6_K) return bytes * s + 256 * piece;
+    return bytes * (s & ~(int64_t)1) + 256 * Q6K_PIECES * (s & 1) + 256 * q6k_place[piece];
+}
+static inline int64_t k_rest_at(int64_t format, int64_t supers, int64_t s) {
+    const int64_t bytes = 16 * format_block_bytes(format);
+    if (format != Q6_K) return bytes * s + 256 * (format_block_bytes(format) / 16);
+    const int64_t in_pair = (s | 1) < supers ? 2 : 1;
+    return bytes * (s & ~(int64_t)1) + 256 * Q6K_PIECES * in_pair + 32 * (s & 1);
+}
+
 /* The integer subtracted from every unpacked weight value of a 32-value format (Q8_0 is stored + 128). */
 static inline int32_t format_offset(int64_t format) {
     return format == Q8_0 ? 128 : (format == Q4_0 ? 8 : (format == Q5_0 ? 16 : 0));
@@ -253,7 +274,8 @@ void unpack_chunk(int64_t format, const uint8_t *const *rows, int64_t row_bytes,
 void unpack_chunk_avx512(int64_t format, const uint8_t *const *rows, int64_t row_bytes, int64_t u0, int64_t units,
                          qpanel *p);
 /* quant_unpack512.c / quant_gemv512.c: the same two paths over a repacked K-format half panel */
-void unpack_k_x16_avx512(int64_t format, const uint8_t *panel, int64_t u0, int64_t units, qpanel *p);
+void unpack_k_x16_avx512(int64_t format, const uint8_t *panel, int64_t supers, int64_t u0, int64_t units,
+                         qpanel *p);
 void fused_k_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, const pass_prefetch *pf,
                         float *acc);
 /* quant_gemv512.c: rows [0, m <= FUSED_ROWS) x one 16-column half, every block; acc [m][ACC_COLS] */

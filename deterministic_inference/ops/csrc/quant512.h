@@ -55,6 +55,7 @@ INLINE void transpose16(const uint8_t *const *rows, int64_t off, __m512i *out) {
 typedef struct {
     const uint8_t *const *rows;
     const uint8_t *panel;
+    int64_t supers; /* the panel's super-blocks per column */
 } qsrc;
 
 /* transpose16 of bytes [off, off + 16) (off a multiple of 16) from either source: the same vectors */
@@ -255,18 +256,35 @@ INLINE void q45k_scales(const qsrc *src, int64_t base, int64_t sb, qpanel *p) {
     }
 }
 
-/* Q6_K scales of the super-block at byte base (16 int8 at 192, d at 208) into p's super-block sb, from
-   either source (a repacked panel keeps the 16 columns' d, the 2 bytes past the super-block's 13 whole
-   pieces, as 16 fp16 numbers at 16 (base + 208)) */
+/* Q6_K's n (1 or 2) pieces from byte `at` (16 | at) of the super-block at byte base: the vectors piece16
+   makes, from either source (a repacked panel keeps them where k_piece_at says; the two pieces read
+   together, 8-9, 10-11 or 4h + 2 run, 4h + 2 run + 1, stay side by side there) */
+INLINE void q6k_pieces(const qsrc *src, int64_t base, int64_t at, int n, __m512i *out) {
+    if (!src->panel) {
+        for (int i = 0; i < n; i++) piece16(src, base + at + 16 * i, out + 4 * i);
+        return;
+    }
+    const uint8_t *place = src->panel + k_piece_at(Q6_K, base / 210, at / 16);
+    for (int a = 0; a < 4 * n; a++) out[a] = _mm512_loadu_si512(place + 64 * a);
+}
+
+/* Q6_K scales of the super-block at byte base (16 int8 at 192) into p's super-block sb, from either source */
 INLINE void q6k_scales(const qsrc *src, int64_t base, int64_t sb, qpanel *p) {
     __m512i t[4];
-    piece16(src, base + 192, t);
+    q6k_pieces(src, base, 192, 1, t);
 #pragma GCC unroll 16
     for (int j = 0; j < 16; j++) {
         const __m512i scale = _mm512_srai_epi32(_mm512_slli_epi32(t[j / 4], 24u - 8u * (unsigned)(j % 4)), 24);
         _mm512_storeu_si512(p->sc + (sb * 16 + j) * QCOLS, scale);
     }
-    const __m512 d = src->panel ? halves16(src->panel + 16 * (base + 208)) : halves_at(src->rows, base + 208);
+}
+
+/* Q6_K's d (fp16 at 208) of the super-block at byte base into p's super-block sb, from either source (a
+   repacked panel keeps the 16 columns' d as 16 fp16 numbers at k_rest_at; the loops read it after the
+   pieces, as the panel lays them out) */
+INLINE void q6k_d(const qsrc *src, int64_t base, int64_t sb, qpanel *p) {
+    const __m512 d = src->panel ? halves16(src->panel + k_rest_at(Q6_K, src->supers, base / 210))
+                                : halves_at(src->rows, base + 208);
     _mm512_storeu_ps(p->d + sb * QCOLS, d);
 }
 
@@ -298,11 +316,11 @@ INLINE void q45k_unit(int64_t format, const __m512i *raw, const __m512i *qh, int
 /* Q6_K half h of the super-block at byte base, from either source: its 32 bytes of qh, and its 32-byte
    run `run` of ql */
 INLINE void q6k_high_bits(const qsrc *src, int64_t base, int h, __m512i *qh) {
-    piece32(src, base + 128 + 32 * h, qh);
+    q6k_pieces(src, base, 128 + 32 * h, 2, qh);
 }
 
 INLINE void q6k_low_bits(const qsrc *src, int64_t base, int h, int run, __m512i *ql) {
-    piece32(src, base + 64 * h + 32 * run, ql);
+    q6k_pieces(src, base, 64 * h + 32 * run, 2, ql);
 }
 
 /* Q6_K unit 4h + t: nibble t / 2 of ql run t % 2 with bits 2t, 2t + 1 of qh above it (shifting 16-bit

@@ -110,6 +110,7 @@ INLINE void fused_super(int64_t format, const qsrc *src, int64_t row_bytes, cons
         if (format == Q6_K) q6k_scales(src, s * bytes, 0, &p);
         else q45k_scales(src, s * bytes, 0, &p);
         fused_isum(format, src, s * bytes, xq, s, &p, R, isum);
+        if (format == Q6_K) q6k_d(src, s * bytes, 0, &p);
         for (int r = 0; r < R; r++) {
             const __m512 dx = _mm512_set1_ps(xq->d[r * supers + s]);
             f[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_load_ps(d), dx), as_float(isum[r]), f[r]);
@@ -129,7 +130,7 @@ INLINE void fused_super(int64_t format, const qsrc *src, int64_t row_bytes, cons
    at the half's first column. Each format and row count gets its own code, constants folded. */
 void fused_half_avx512(int64_t format, const uint8_t *const *rows, int64_t row_bytes, const xquant *xq, int64_t m,
                        float *acc) {
-    const qsrc src = {rows, NULL};
+    const qsrc src = {rows, NULL, 0};
     const pass_prefetch own = {1, NULL, 0};
 #define DETINF_FUSED(fmt, rows_)                                                                   \
     if (format == fmt && m == rows_) {                                                             \
@@ -147,7 +148,7 @@ void fused_half_avx512(int64_t format, const uint8_t *const *rows, int64_t row_b
 /* The same for a repacked Q4_K / Q5_K / Q6_K half panel (quant_repack.c): the same vectors, so the same bits */
 void fused_k_x16_avx512(int64_t format, const uint8_t *panel, const xquant *xq, int64_t m, const pass_prefetch *pf,
                         float *acc) {
-    const qsrc src = {NULL, panel};
+    const qsrc src = {NULL, panel, xq->k / SUPER};
 #define DETINF_FUSED_K(fmt, rows_)                                                                 \
     if (format == fmt && m == rows_) {                                                             \
         fused_super(fmt, &src, 0, xq, rows_, pf, acc);                                             \

@@ -20,12 +20,15 @@
    group t + 4. Q8_0: a byte holds value 4 t + j plus 128 (its sign bit flipped), the unsigned integer the
    unpacked unit holds, so the 64 bytes at t are group t as they are.
 
-   K formats (super-blocks of S = 144, 176 and 210 bytes): super-block s of the panel's 16 rows takes the
-   16 S bytes at 16 S s. Its whole 16-byte pieces P (9, 11, 13 of them) come first, each as 4 vectors of
-   64 bytes, byte 4 i + j of column c's piece at 16 S s + 256 P + 64 i + 4 c + j: the vectors the stored
-   path's transposition makes (quant512.h, piece16), which the K paths then take apart exactly as
-   before. The bytes past the last whole piece (Q6_K's fp16 d, 2 bytes) follow column by column, as 16
-   fp16 numbers. So the stored super-block's byte offset o (16 | o) is read at 16 o in both parts.
+   K formats (super-blocks of S = 144, 176 and 210 bytes): the panel's 16 rows take 16 S bytes per
+   super-block. Each whole 16-byte piece P of super-block s (9, 11, 13 of them) is 4 vectors of 64 bytes,
+   byte 4 i + j of column c's piece at k_piece_at(s, P) + 64 i + 4 c + j: the vectors the stored path's
+   transposition makes (quant512.h, piece16), which the K paths then take apart exactly as before. The
+   bytes past the last whole piece (Q6_K's fp16 d, 2 bytes) go column by column, as 16 fp16 numbers at
+   k_rest_at(s). Q4_K and Q5_K keep super-block s at 16 S s in stored order, so the stored byte offset o
+   (16 | o) is read at 16 o. Q6_K's pieces are placed in the order its loops read them, its super-blocks in
+   pairs whose pieces start 64-byte lines (quant.h, k_piece_at): stored in order, with every other
+   super-block 32 bytes off a line, one thread read Q6_K panels at ~2/3 of its memory rate (AMD Zen 4).
 
    Only integers move: each output is still the float sequence of quant.h for the format (blocks
    ascending, the same operations), so a repacked part gives the stored part's bits; builds that do not
@@ -53,12 +56,14 @@ static void repack_supers(int64_t format, const uint8_t *src, const int64_t *row
             const int64_t column = panel * QCOLS + c;
             const uint8_t *row = src + (row_order ? row_order[column] : column) * row_bytes;
             for (int64_t s = 0; s < row_bytes / bytes; s++) {
-                uint8_t *out = dst + panel * QCOLS * row_bytes + QCOLS * bytes * s;
+                uint8_t *out = dst + panel * QCOLS * row_bytes;
                 const uint8_t *super = row + bytes * s;
-                for (int64_t piece = 0; piece < pieces; piece++)
-                    for (int i = 0; i < 4; i++)
-                        memcpy(out + 256 * piece + 64 * i + 4 * c, super + 16 * piece + 4 * i, 4);
-                memcpy(out + 256 * pieces + rest * c, super + 16 * pieces, (size_t)rest);
+                const int64_t supers = row_bytes / bytes;
+                for (int64_t piece = 0; piece < pieces; piece++) {
+                    uint8_t *place = out + k_piece_at(format, s, piece) + 4 * c;
+                    for (int i = 0; i < 4; i++) memcpy(place + 64 * i, super + 16 * piece + 4 * i, 4);
+                }
+                memcpy(out + k_rest_at(format, supers, s) + rest * c, super + 16 * pieces, (size_t)rest);
             }
         }
     }
@@ -100,12 +105,13 @@ static void unrepack_column(int64_t format, const uint8_t *panel, int64_t row_by
     const int64_t bytes = format_block_bytes(format);
     if (format_block_values(format) == SUPER) {
         const int64_t pieces = bytes / 16, rest = bytes % 16;
-        for (int64_t s = 0; s < row_bytes / bytes; s++) {
-            const uint8_t *in = panel + QCOLS * bytes * s;
+        const int64_t supers = row_bytes / bytes;
+        for (int64_t s = 0; s < supers; s++) {
             uint8_t *super = row + bytes * s;
             for (int64_t piece = 0; piece < pieces; piece++)
-                for (int i = 0; i < 4; i++) memcpy(super + 16 * piece + 4 * i, in + 256 * piece + 64 * i + 4 * c, 4);
-            memcpy(super + 16 * pieces, in + 256 * pieces + rest * c, (size_t)rest);
+                for (int i = 0; i < 4; i++)
+                    memcpy(super + 16 * piece + 4 * i, panel + k_piece_at(format, s, piece) + 64 * i + 4 * c, 4);
+            memcpy(super + 16 * pieces, panel + k_rest_at(format, supers, s) + rest * c, (size_t)rest);
         }
         return;
     }
@@ -163,7 +169,7 @@ static inline void unpack_nibbles(const uint8_t *q, uint8_t *w) {
 void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0, int64_t units, qpanel *p) {
 #if defined(DETINF_Q_AVX512)
     if (format_block_values(format) == SUPER) { /* only AVX-512 builds repack K formats */
-        unpack_k_x16_avx512(format, panel, u0, units, p);
+        unpack_k_x16_avx512(format, panel, blocks / 8, u0, units, p);
         return;
     }
 #endif

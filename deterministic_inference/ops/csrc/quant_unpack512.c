@@ -81,6 +81,7 @@ static void unpack_supers(int64_t format, const qsrc *src, int64_t ahead, int64_
         if (format == Q6_K) {
             unpack_q6k(src, base, w);
             q6k_scales(src, base, sb, p);
+            q6k_d(src, base, sb, p);
         } else {
             unpack_q45k(format, src, base, w);
             q45k_scales(src, base, sb, p);
@@ -94,13 +95,14 @@ void unpack_chunk_avx512(int64_t format, const uint8_t *const *rows, int64_t row
         unpack_blocks(format, rows, row_bytes, u0, units, p);
         return;
     }
-    const qsrc src = {rows, NULL};
+    const qsrc src = {rows, NULL, 0};
     unpack_supers(format, &src, ACC_COLS * row_bytes, u0, units, p);
 }
 
 /* The same bytes from a repacked Q4_K / Q5_K / Q6_K half panel (quant_repack.c) */
-void unpack_k_x16_avx512(int64_t format, const uint8_t *panel, int64_t u0, int64_t units, qpanel *p) {
-    const qsrc src = {NULL, panel};
+void unpack_k_x16_avx512(int64_t format, const uint8_t *panel, int64_t supers, int64_t u0, int64_t units,
+                         qpanel *p) {
+    const qsrc src = {NULL, panel, supers};
     unpack_supers(format, &src, 0, u0, units, p);
 }
 

@@ -5,9 +5,10 @@ same repacked bytes in the same order: the rate a plain read of those bytes reac
 ratio says how far the GEMVs are from streaming their weights.
 
 Run by hand from the repository root (not a test):
-    .venv/bin/python -m bench.bench_gemv_stream [--formats Q4_0 Q4_K_M Q6_K Q8_0] [--threads 1 2]
+    .venv/bin/python -m bench.bench_gemv_stream [--formats Q4_0 Q4_K_M Q6_K Q8_0 bf16] [--threads 1 2]
         [--rounds 9] [--base-lib PATH]
-Q4_K_M: Q4_K weights, with down in Q6_K (as a Q4_K_M file's ffn_down often is). --base-lib adds another
+Q4_K_M: Q4_K weights, with down in Q6_K (as a Q4_K_M file's ffn_down often is); bf16: dense bf16 weights
+(the bf16 GEMM on its packed copy; 1.9 GB per library). --base-lib adds another
 build of the kernels (another tree's `python -c "from deterministic_inference.ops.native_build import
 build; print(build())"`). Rounds alternate the columns; the table gives medians, and each column's ratio to
 ours as the median of the per-round ratios (the machine's speed moves within minutes).
@@ -23,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from deterministic_inference.ops.linear import Linear
 from deterministic_inference.ops.native import NativeKernels, load, native_kernels
-from deterministic_inference.ops.quant import QuantLinear
 from deterministic_inference.ops.quant_probe import random_weight
 
 LAYERS = 16
@@ -38,28 +39,40 @@ def layer_format(formats: str, k: int) -> str:
     return formats
 
 
+def layer_linear(kernels: NativeKernels, formats: str, n: int, k: int, generator: torch.Generator) -> Linear:
+    """One GEMV's linear as the engine builds it: a quantized weight repacked, or a bf16 one packed."""
+    if formats == "bf16":
+        weight = (torch.randn(n, k, generator=generator) * 0.02).bfloat16()
+        return Linear(weight, None, batch_invariant=True, kernels=kernels)
+    quantized = random_weight(layer_format(formats, k), n, k, generator)
+    return Linear(quantized, None, batch_invariant=True, kernels=kernels, dtype=torch.bfloat16)
+
+
+def weight_copies(linear: Linear) -> list[torch.Tensor]:
+    """The bytes a linear's GEMM reads: its repacked quantized parts, or its packed bf16 weight."""
+    if linear._quant is not None:
+        return list(linear._quant._repacked)
+    return [linear._native[1]] if linear._native is not None else []
+
+
 def gemvs(kernels: NativeKernels, formats: str) -> tuple[Callable[[], None], list[torch.Tensor]]:
-    """One decode step's GEMVs (a call running them all at one row) and the repacked bytes they read."""
+    """One decode step's GEMVs (a call running them all at one row) and the weight bytes they read."""
     generator = torch.Generator().manual_seed(0)
-    linears = []
-    for _ in range(LAYERS):
-        for n, k in SHAPES:
-            weight = random_weight(layer_format(formats, k), n, k, generator)
-            linears.append(QuantLinear(kernels, [weight], bias=None, out_dtype=torch.bfloat16))
+    linears = [layer_linear(kernels, formats, n, k, generator) for _ in range(LAYERS) for n, k in SHAPES]
     rows = {k: torch.randn(1, k, generator=generator).bfloat16() for _, k in SHAPES}
     calls = [(linear, rows[linear.in_features]) for linear in linears]
 
     def step() -> None:
         for linear, x in calls:
-            linear.forward_with_flags(x, 0)
+            linear(x)
 
-    copies = [tensor for linear in linears for tensor in linear._repacked]
-    return step, copies
+    return step, [copy for linear in linears for copy in weight_copies(linear)]
 
 
 def stream(copies: list[torch.Tensor]) -> Callable[[], None]:
     """A plain read of the same bytes: torch.sum over each copy viewed as fp32 (its values do not matter)."""
-    views = [copy.view(-1)[: copy.numel() // 4 * 4].view(torch.float32) for copy in copies]
+    raw = [copy.view(-1).view(torch.uint8) for copy in copies]
+    views = [b[: b.numel() // 4 * 4].view(torch.float32) for b in raw]
 
     def read() -> None:
         for view in views:
@@ -83,7 +96,7 @@ def measure(columns: dict[str, Callable[[], None]], rounds: int) -> dict[str, li
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--formats", nargs="+", default=["Q4_0", "Q4_K_M", "Q6_K", "Q8_0"])
+    parser.add_argument("--formats", nargs="+", default=["Q4_0", "Q4_K_M", "Q6_K", "Q8_0", "bf16"])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--base-lib", type=Path, help="another build of the kernels to compare against")
@@ -101,7 +114,7 @@ def main() -> None:
             columns[name] = step
             if name == "ours":
                 columns["torch.sum, same bytes"] = stream(copies)
-                megabytes = sum(copy.numel() for copy in copies) / 1e6
+                megabytes = sum(copy.numel() * copy.element_size() for copy in copies) / 1e6
         for threads in args.threads:
             torch.set_num_threads(threads)
             times = measure(columns, args.rounds)

@@ -51,14 +51,14 @@ int detinf_quant_repacks(int64_t format) {
 static void repack_supers(int64_t format, const uint8_t *src, const int64_t *row_order, int64_t row_bytes,
                           int64_t col0, int64_t cols, uint8_t *dst) {
     const int64_t bytes = format_block_bytes(format), pieces = bytes / 16, rest = bytes % 16;
+    const int64_t supers = row_bytes / bytes;
     for (int64_t panel = col0 / QCOLS; panel < (col0 + cols) / QCOLS; panel++) {
+        uint8_t *out = dst + panel * QCOLS * row_bytes;
         for (int c = 0; c < QCOLS; c++) {
             const int64_t column = panel * QCOLS + c;
             const uint8_t *row = src + (row_order ? row_order[column] : column) * row_bytes;
-            for (int64_t s = 0; s < row_bytes / bytes; s++) {
-                uint8_t *out = dst + panel * QCOLS * row_bytes;
+            for (int64_t s = 0; s < supers; s++) {
                 const uint8_t *super = row + bytes * s;
-                const int64_t supers = row_bytes / bytes;
                 for (int64_t piece = 0; piece < pieces; piece++) {
                     uint8_t *place = out + k_piece_at(format, s, piece) + 4 * c;
                     for (int i = 0; i < 4; i++) memcpy(place + 64 * i, super + 16 * piece + 4 * i, 4);

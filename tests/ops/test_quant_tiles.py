@@ -6,10 +6,12 @@ order, on the small calls' path and the chunked one (200 rows at K = 4096), at 1
 row's bits must not depend on the batch. A linear whose parts would split a 16-column block is dequantised
 at load instead, with the same bits. Negative control: a build cutting each dequantised value to bf16 instead
 of rounding it is caught. Skipped where the CPU or OS has no AMX-BF16; a build without the tiles refusing
-the call is tested everywhere."""
+the call is tested everywhere, and the tiles read from repacked panels against those of the stored blocks
+wherever the tile code is built (AVX-512 VBMI), AMX or not."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import pytest
@@ -128,3 +130,53 @@ def test_a_build_without_amx_bf16_refuses_the_tiles() -> None:
     linear = QuantLinear(lib, [weight], bias=None, out_dtype=torch.float32)
     with pytest.raises(RuntimeError, match="native numerics.*AMX-BF16"):
         linear.on_tiles(torch.ones(2, K, dtype=torch.bfloat16))
+
+
+def _chunk_tiles(
+    kernels: NativeKernels, linear: QuantLinear, first: int, u0: int, count: int
+) -> torch.Tensor:
+    """part_bf16_tiles of the linear's first part (16 columns from `first`, units [u0, u0 + count)) as int16
+    [count * 512]: the tiles the AMX GEMM would multiply, made without AMX (AVX-512 VBMI is enough)."""
+    library = kernels.library
+    scratch = torch.zeros(library.qpanel_bytes() + 64, dtype=torch.uint8)
+    panel = _QPanel()
+    library.qpanel_layout(ctypes.c_void_p((scratch.data_ptr() + 63) // 64 * 64), ctypes.byref(panel))
+    tiles = torch.zeros(count * 512, dtype=torch.int16)
+    units = ctypes.c_int64(linear.in_features // 32)
+    library.part_bf16_tiles(
+        ctypes.byref(linear.table[0]), ctypes.c_int64(first), units, ctypes.c_int64(u0),
+        ctypes.c_int64(count), ctypes.byref(panel), ctypes.c_void_p(tiles.data_ptr()),
+    )
+    return tiles
+
+
+class _QPanel(ctypes.Structure):
+    """Mirror of csrc/quant.h's qpanel (one chunk's scratch)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("w", "d", "m", "sc", "mn")]
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("k", [1280, 1312, 576], ids=["even-blocks", "odd-blocks", "short"])
+def test_repacked_panels_give_the_tiles_of_the_stored_blocks(
+    kernels: NativeKernels, fmt: str, k: int
+) -> None:
+    """The tiles read straight from a repacked panel (quant_repack.c's pair layout) are those of the blocks as
+    stored, on every build with the tile code (AVX-512 VBMI), AMX or not; one damaged byte shows (negative
+    control)."""
+    if not hasattr(kernels.library, "part_bf16_tiles") or not kernels.library.detinf_quant_repacks(2):
+        pytest.skip("this build has no tile code or does not repack (no AVX-512 VBMI / VNNI)")
+    weight = random_weight(fmt, 48, k, torch.Generator().manual_seed(k))
+    repacked = QuantLinear(kernels, [weight], bias=None, out_dtype=torch.float32)
+    stored = QuantLinear(kernels, [weight], bias=None, out_dtype=torch.float32, repack=False)
+    assert (repacked.repacked_parts, stored.repacked_parts) == (1, 0)
+    units = k // 32
+    for first in (0, 16, 32):
+        for u0 in range(0, units, 16):  # one chunk of the scratch at a time
+            count = min(16, units - u0)
+            expected = _chunk_tiles(kernels, stored, first, u0, count)
+            assert torch.equal(_chunk_tiles(kernels, repacked, first, u0, count), expected), (first, u0)
+    repacked._repacked[0].view(-1)[-1] ^= 0x10  # the last block's last quant byte, last panel's column 15
+    last = units - 1
+    damaged = _chunk_tiles(kernels, repacked, 32, last, 1)
+    assert not torch.equal(damaged, _chunk_tiles(kernels, stored, 32, last, 1))

@@ -166,7 +166,7 @@ static inline int64_t format_block_bytes(int64_t format) {
    16 columns' stored bytes 16 piece .. 16 piece + 15, 256 bytes), and its rest (the 16 columns' bytes past
    the whole pieces: Q6_K's fp16 d, 32 bytes), as byte offsets. Q4_K and Q5_K: super-block s at 16 S s, its
    pieces in stored order. Q6_K: its pieces in the order its loops read them (the scales, then for each half
-   of the values its high bits and its low bits: Q6K_PLACE), and its super-blocks (16 S = 3360 bytes, not a
+   of the values its high bits and its low bits: q6k_place), and its super-blocks (16 S = 3360 bytes, not a
    whole number of 64-byte lines) in pairs, both 13 pieces of one, both of the other, then both rests, so
    that every piece starts a line (the last super-block of an odd count alone, its rest after it). */
 #define Q6K_PIECES 13

@@ -151,6 +151,12 @@ INLINE void prefetch_lines(const uint8_t *at, int64_t bytes) {
     for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char *)(at + line), _MM_HINT_T0);
 }
 
+/* At block b of a repacked 32-value panel (quant_repack.c), when b starts a pair: ask for the pair `ahead`
+   blocks on (`ahead` even; past the panel's end: harmless) */
+INLINE void prefetch_x16_pair(int64_t format, const uint8_t *panel, int64_t b, int64_t ahead) {
+    if (!(b & 1)) prefetch_lines(panel + x16_pair_at(format, b + ahead), 2 * x16_block_bytes(format));
+}
+
 /* Ask for the line `ahead` bytes past `off` of every column's row: the next panel's data at the place
    this panel is read (16 short streams in parallel are more than the hardware prefetchers follow). */
 INLINE void prefetch_rows(const uint8_t *const *rows, int64_t off, int64_t ahead) {
@@ -264,7 +270,7 @@ INLINE void q6k_pieces(const qsrc *src, int64_t base, int64_t at, int n, __m512i
         for (int i = 0; i < n; i++) piece16(src, base + at + 16 * i, out + 4 * i);
         return;
     }
-    const uint8_t *place = src->panel + k_piece_at(Q6_K, base / 210, at / 16);
+    const uint8_t *place = src->panel + k_piece_at(Q6_K, base / format_block_bytes(Q6_K), at / 16);
     for (int a = 0; a < 4 * n; a++) out[a] = _mm512_loadu_si512(place + 64 * a);
 }
 
@@ -283,7 +289,7 @@ INLINE void q6k_scales(const qsrc *src, int64_t base, int64_t sb, qpanel *p) {
    repacked panel keeps the 16 columns' d as 16 fp16 numbers at k_rest_at; the loops read it after the
    pieces, as the panel lays them out) */
 INLINE void q6k_d(const qsrc *src, int64_t base, int64_t sb, qpanel *p) {
-    const __m512 d = src->panel ? halves16(src->panel + k_rest_at(Q6_K, src->supers, base / 210))
+    const __m512 d = src->panel ? halves16(src->panel + k_rest_at(Q6_K, src->supers, base / format_block_bytes(Q6_K)))
                                 : halves_at(src->rows, base + 208);
     _mm512_storeu_ps(p->d + sb * QCOLS, d);
 }

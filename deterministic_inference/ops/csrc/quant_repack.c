@@ -176,7 +176,7 @@ void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0
     for (int64_t u = 0; u < units; u++) {
         const int64_t b = u0 + u;
 #if defined(DETINF_Q_AVX512) /* one chunk ahead: at a few dozen rows the GEMM streams the weights from memory here */
-        if (!(b & 1)) prefetch_lines(panel + x16_pair_at(format, b + CHUNK_UNITS), 2 * x16_block_bytes(format));
+        prefetch_x16_pair(format, panel, b, CHUNK_UNITS);
 #endif
         x16_fields_f32(panel + x16_field_at(format, blocks, b, 0), p->d + u * QCOLS);
         if (x16_fields(format) == 2) x16_fields_f32(panel + x16_field_at(format, blocks, b, 1), p->m + u * QCOLS);
@@ -194,16 +194,13 @@ void unpack_x16(int64_t format, const uint8_t *panel, int64_t blocks, int64_t u0
 
 /* Blocks the few-row loops below ask for ahead of the one they read, when they stream a panel's blocks
    themselves (pass_prefetch's `own`: from NEXT_PANEL_FROM_ROWS rows, the first panel a thread takes). Before
-   its loop a panel asks for its first FUSED_AHEAD blocks: the loop's own requests never cover them. */
+   its loop a panel asks for its first FUSED_AHEAD blocks (the loop's own requests never cover them), and in
+   the loop, at each pair, the pair FUSED_AHEAD blocks on (prefetch_x16_pair). */
 #define FUSED_AHEAD 16
 
+/* Before a panel's loop: its first FUSED_AHEAD blocks (fields and quants, one run of bytes) */
 INLINE void prefetch_x16_head(int64_t format, const uint8_t *panel, int64_t blocks) {
     prefetch_lines(panel, x16_block_bytes(format) * (blocks < FUSED_AHEAD ? blocks : FUSED_AHEAD));
-}
-
-/* In the loop, at the first block of each pair: the pair FUSED_AHEAD blocks on (past the end: harmless) */
-INLINE void prefetch_x16_ahead(int64_t format, const uint8_t *panel, int64_t b) {
-    if (!(b & 1)) prefetch_lines(panel + x16_pair_at(format, b + FUSED_AHEAD), 2 * x16_block_bytes(format));
 }
 
 /* Rows [0, R) x one panel, every block; acc rows of ACC_COLS floats (quant.h's sequence for the format:
@@ -219,7 +216,7 @@ INLINE void fused_x16(const uint8_t *panel, const xquant *xq, const int R, const
     const int64_t share_step = next_share_step(pf, blocks);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *q = panel + x16_qs_at(format, blocks, b);
-        if (pf->own) prefetch_x16_ahead(format, panel, b);
+        if (pf->own) prefetch_x16_pair(format, panel, b, FUSED_AHEAD);
         prefetch_next_share(pf, share_step, b);
         const __m512 scale = halves16(panel + x16_field_at(format, blocks, b, 0));
         const __m512 min = has_min ? halves16(panel + x16_field_at(format, blocks, b, 1)) : _mm512_setzero_ps();
@@ -260,7 +257,7 @@ INLINE void fused_x16_q8(const uint8_t *panel, const xquant *xq, const int R, co
     const int64_t share_step = next_share_step(pf, blocks);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *q = panel + x16_qs_at(Q8_0, blocks, b);
-        if (pf->own) prefetch_x16_ahead(Q8_0, panel, b);
+        if (pf->own) prefetch_x16_pair(Q8_0, panel, b, FUSED_AHEAD);
         prefetch_next_share(pf, share_step, b);
         const __m512 scale = halves16(panel + x16_field_at(Q8_0, blocks, b, 0));
         __m512i w[8]; /* group t: values 4t..4t+3 (+ 128) of every column */

@@ -180,7 +180,7 @@ INLINE void x16_format_tiles(int64_t format, const uint8_t *panel, int64_t units
         f.minimum = x16_fields(format) == 2 ? halves16(panel + x16_field_at(format, units, u, 1)) : _mm512_setzero_ps();
         const uint8_t *q = panel + x16_qs_at(format, units, u);
         /* the pair X16_AHEAD units on, into L1: at a few dozen rows the GEMM streams the weights from memory */
-        if (!(u & 1)) prefetch_lines(panel + x16_pair_at(format, u + X16_AHEAD), 2 * x16_block_bytes(format));
+        prefetch_x16_pair(format, panel, u, X16_AHEAD);
         __m512i words[8];
         for (int t = 0; t < 4; t++) {
             const __m512i v = _mm512_loadu_si512(q + 64 * t);

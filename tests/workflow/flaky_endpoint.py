@@ -1,5 +1,9 @@
 """A loopback HTTP proxy in front of a real server that fails on a script: 503s, 429s, answers dropped
-after the server computed them, and a restart (the port refuses connections for a moment)."""
+after the server computed them, and a restart (the port refuses connections for a moment).
+
+A restart stops listening before the client sees its connection close, and stays down until the client's
+own retry of that request has been refused (its backoff wait plus RESTART_MARGIN_SECONDS): the refusal is
+part of the script, not a race with the retry's timing."""
 
 from __future__ import annotations
 
@@ -15,7 +19,10 @@ from typing import Any
 
 import httpx
 
-RESTART_SECONDS = 0.6
+from deterministic_inference.workflow.retry import RetryPolicy
+
+RESTART_MARGIN_SECONDS = 1.0  # down this long after the client's retry is due
+POLL_SECONDS = 0.05  # how soon serve_forever notices a shutdown (a short window of queued connections)
 
 
 class FlakyEndpoint:
@@ -27,15 +34,18 @@ class FlakyEndpoint:
         self.rewrite = rewrite_fingerprint_after_restart
         self.restarted = False
         self.delivered: Counter[str] = Counter()  # body digest -> answers delivered to the client
+        self.sent: Counter[str] = Counter()  # body digest -> POSTs received (the client's attempt number)
         self.forwarded = 0  # POSTs the real server answered
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
         self.port = 0
 
-    def next_action(self) -> str:
-        """The scripted action of the next POST."""
+    def next_action(self, body: bytes) -> tuple[str, int]:
+        """The scripted action of the next POST, and which attempt of its request this POST is."""
         with self.lock:
-            return self.script.pop(0) if self.script else "forward"
+            digest = hashlib.sha256(body).hexdigest()
+            self.sent[digest] += 1
+            return (self.script.pop(0) if self.script else "forward"), self.sent[digest]
 
     def forward(self, method: str, path: str, body: bytes) -> httpx.Response:
         """Send to the real server."""
@@ -52,18 +62,21 @@ class FlakyEndpoint:
         server.daemon_threads = True
         self.port = server.server_address[1]
         self.server = server
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        threading.Thread(target=server.serve_forever, args=(POLL_SECONDS,), daemon=True).start()
 
-    def restart_soon(self) -> None:
-        """Stop listening, stay down for RESTART_SECONDS, listen again (from another thread)."""
-        def cycle() -> None:
-            assert self.server is not None
-            self.server.shutdown()
-            self.server.server_close()
-            time.sleep(RESTART_SECONDS)
+    def go_down(self, attempt: int) -> None:
+        """Stop listening now (from a handler thread); listen again once the client's retry of attempt
+        `attempt`, due after RetryPolicy's wait, has found the port closed."""
+        assert self.server is not None
+        self.server.shutdown()
+        self.server.server_close()
+        down_seconds = RetryPolicy().delay(attempt, None) + RESTART_MARGIN_SECONDS
+
+        def come_back() -> None:
+            time.sleep(down_seconds)
             self.restarted = True
             self.start()
-        threading.Thread(target=cycle, daemon=True).start()
+        threading.Thread(target=come_back, daemon=True).start()
 
     @property
     def base_url(self) -> str:
@@ -81,7 +94,7 @@ def _handler(state: FlakyEndpoint) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             body = self.rfile.read(int(self.headers.get("content-length", "0")))
-            action = state.next_action()
+            action, attempt = state.next_action(body)
             if action in ("503", "429"):
                 self.send_response(int(action))
                 self.send_header("retry-after", "0")
@@ -92,7 +105,7 @@ def _handler(state: FlakyEndpoint) -> type[BaseHTTPRequestHandler]:
                 state.forward("POST", self.path, body)
                 self.close_connection = True
                 if action == "restart":
-                    state.restart_soon()
+                    state.go_down(attempt)  # before this connection closes
                 return
             self._reply(state.forward("POST", self.path, body), body)
 

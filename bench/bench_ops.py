@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -254,6 +255,7 @@ def bench_step(rounds: int, cases: list[tuple[int, int, int]]) -> None:
 def bench_engine_numerics(concurrency: int, prompt_len: int, output_len: int, with_hf: bool) -> None:
     """Whole-engine greedy throughput on the default model for several numerics (and HF transformers)."""
     from bench.bench_engine import bench_hf, make_prompts
+    from bench.hf_copy import write_bf16_hf_dir
     from deterministic_inference.config import EngineConfig
     from deterministic_inference.engine.engine import Engine
     from deterministic_inference.engine.sampling_params import SamplingParams
@@ -278,7 +280,8 @@ def bench_engine_numerics(concurrency: int, prompt_len: int, output_len: int, wi
         generated = sum(len(output.outputs[0].token_ids) for output in outputs)
         print(f"| {name} | {generated / (time.perf_counter() - start):.1f} |", flush=True)
     if with_hf:
-        run = bench_hf(loaded, prompts, output_len, torch.bfloat16)
+        with tempfile.TemporaryDirectory() as scratch:  # HF runs on a bf16 HF copy of the same weights
+            run = bench_hf(str(write_bf16_hf_dir(loaded, Path(scratch) / "hf")), [prompts], output_len)
         print(f"| HF transformers bf16 generate | {run['tokens'] / run['seconds']:.1f} |", flush=True)
 
 

@@ -79,10 +79,10 @@ static void attend_rows(const attention_args *a, const int64_t *table, int64_t k
         for (int64_t i = 0; i < n; i++) rows_scores[i] = w->scores + (first + i) * stride + (b - fb) * block;
         if (block == 16) {
             for (int64_t i = 0; i < n; i++)
-                detinf_rows_scores16(1, rows_q[i], keys_b.base, keys_b.offset, dim, keys_b.bf16, a->scale,
+                detinf_rows_scores16(1, rows_q[i], keys_b.base, keys_b.offset, dim, keys_b.fmt, a->scale,
                                      rows_scores[i]);
         } else {
-            load_row(keys_b.base, keys_b.offset, w->tile, dim * block, keys_b.bf16);
+            load_row(keys_b.base, keys_b.offset, w->tile, dim * block, keys_b.fmt == KV_BF16);
             for (int64_t i = 0; i < n; i++) block_scores(rows_q[i], w->tile, dim, block, a->scale, rows_scores[i]);
         }
     }
@@ -111,7 +111,7 @@ static void attend_rows(const attention_args *a, const int64_t *table, int64_t k
         for (int64_t i = 0; i < n; i++) block_p[i] = rows_p[i] + (b - fb) * block;
         for (int64_t i = 0; i < n; i++)
             detinf_rows_values16(1, block_p[i], values_b.base, values_b.offset, b == fb ? skip : 0, count, dim,
-                                 values_b.bf16, rows_acc[i]);
+                                 values_b.fmt, rows_acc[i]);
     }
 }
 

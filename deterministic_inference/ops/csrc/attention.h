@@ -85,6 +85,46 @@ INLINE f32x16 load16(const void *base, int64_t index, int bf16) {
     return value;
 }
 
+/* 16 int8 values at `at`, each times its lane's scale: (float)q * scale, one fp32 multiply, as kv_q8.h's
+   dequantized slices hold them (int8 -> fp32 is exact) */
+INLINE f32x16 q8_times16(const int8_t *at, f32x16 scale) {
+    f32x16 value;
+#if defined(__AVX512F__)
+    const __m512 converted = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)at)));
+    memcpy(&value, &converted, sizeof value);
+#else
+    for (int l = 0; l < 16; l++) value[l] = (float)at[l];
+#endif
+    return value * scale;
+}
+
+/* Keys d of the 16-key slice at `offset` (elements; q8_0: bytes) of a transposed key cache in format fmt
+   (kv_q8.h's KV_F32, KV_BF16, KV_Q8): a q8_0 slice keeps int8 [dim][16], then fp32 scales [dim / 32][16] */
+INLINE f32x16 key16(int fmt, const void *keys_t, int64_t offset, int64_t d, int64_t dim) {
+    if (fmt != KV_Q8) return load16(keys_t, offset + d * 16, fmt == KV_BF16);
+    const int8_t *slice = (const int8_t *)keys_t + offset;
+    f32x16 scale;
+    memcpy(&scale, slice + dim * 16 + 64 * (d / Q8_GROUP), sizeof scale);
+    return q8_times16(slice + d * 16, scale);
+}
+
+/* Values d..d+15 (d a multiple of 16) of key l of the 16-key slice at `offset` (elements; q8_0: bytes) of a
+   value cache in format fmt: a q8_0 key keeps its dim int8 values, then its fp32 scales [dim / 32] */
+INLINE f32x16 value16(int fmt, const void *v_cache, int64_t offset, int64_t l, int64_t d, int64_t dim) {
+    if (fmt != KV_Q8) return load16(v_cache, offset + l * dim + d, fmt == KV_BF16);
+    const int8_t *row = (const int8_t *)v_cache + offset + l * q8_row_bytes(dim);
+    float scale;
+    memcpy(&scale, row + dim + 4 * (d / Q8_GROUP), sizeof scale);
+    f32x16 scales;
+#if defined(__AVX512F__)
+    const __m512 broadcast = _mm512_set1_ps(scale); /* GCC made the loop below 16 masked broadcasts */
+    memcpy(&scales, &broadcast, sizeof scales);
+#else
+    for (int l = 0; l < 16; l++) scales[l] = scale;
+#endif
+    return q8_times16(row + d, scales);
+}
+
 #if defined(__AVX512F__)
 /* The 16 x 16 floats in r transposed in registers (r[c] lane i <- r[i] lane c): unpacks of 32-bit then
    64-bit pairs inside 128-bit lanes, then two rounds of 128-bit lane shuffles. Moves only. */
@@ -232,12 +272,12 @@ typedef struct {
     float *slices;
 } workspace;
 
-/* Where the kernels read one block's keys or values of one KV head: `base` + `offset` elements, bf16 or
-   fp32. */
+/* Where the kernels read one block's keys or values of one KV head: `base` + `offset` elements (q8_0:
+   bytes) in format fmt (KV_F32, KV_BF16, KV_Q8). */
 typedef struct {
     const void *base;
     int64_t offset;
-    int bf16;
+    int fmt;
 } kv_slice;
 
 /* KV head kvh's keys (values when `values`) of cache block block_id: the cache itself for fp32 and bf16
@@ -249,17 +289,27 @@ static inline kv_slice read_slice(const attention_args *a, int64_t block_id, int
     if (a->q8) {
         if (values) q8_values_slice((const int8_t *)a->v_cache, slice, a->head_dim, a->block, scratch);
         else q8_keys_slice((const int8_t *)a->k_cache, slice, a->head_dim, a->block, scratch);
-        const kv_slice dequantized = {scratch, 0, 0};
+        const kv_slice dequantized = {scratch, 0, KV_F32};
         return dequantized;
     }
-    const kv_slice cached = {values ? a->v_cache : a->k_cache, slice * a->head_dim * a->block, a->bf16};
+    const kv_slice cached = {values ? a->v_cache : a->k_cache, slice * a->head_dim * a->block,
+                             a->bf16 ? KV_BF16 : KV_F32};
     return cached;
+}
+
+/* The same slice read in place, whatever the cache's format (the 16-key kernels' q8_0 decode path: each
+   value dequantized in registers by key16 / value16, the same multiply as read_slice's scratch) */
+static inline kv_slice cached_slice(const attention_args *a, int64_t block_id, int64_t kvh, int values) {
+    if (!a->q8) return read_slice(a, block_id, kvh, values, NULL);
+    const kv_slice in_place = {values ? a->v_cache : a->k_cache,
+                               (block_id * a->kv_heads + kvh) * q8_row_bytes(a->head_dim) * a->block, KV_Q8};
+    return in_place;
 }
 
 /* scores[i * 16 + l] = (sum over d ascending of q_i[d] * k_l[d]) * scale for n (1..MAX_SHARED_ROWS)
    rows against the 16 keys of one block of the transposed key cache at `offset`; the queries
    interleaved: qt[d * n + i] = q_i[d] (for n = 1, the query row itself). attention_tile.c. */
-void detinf_rows_scores16(int n, const float *qt, const void *keys_t, int64_t offset, int64_t dim, int bf16,
+void detinf_rows_scores16(int n, const float *qt, const void *keys_t, int64_t offset, int64_t dim, int fmt,
                           float scale, float *scores);
 
 /* Lines a kernel asks the cache for as it goes, a line of each address per step: `lines` 64-byte lines from
@@ -272,15 +322,16 @@ typedef struct {
 /* detinf_rows_scores16 for n (1..MAX_SHARED_ROWS / 2) rows against two blocks at once (offsets o0, o1;
    scores to s0, s1), the queries qstride apart (qt[d * qstride + i] = q_i[d]), each key's score the same
    sequence: the same bits. ahead (or NULL): lines to ask for, line d of each at step d (lines past dim are
-   not asked for). attention_tile.c. */
+   not asked for). fmt KV_Q8 (slices read in place): qstride == n only. attention_tile.c. */
 void detinf_rows_scores16x2(int n, const float *qt, int64_t qstride, const void *keys_t, int64_t o0, int64_t o1,
-                            int64_t dim, int bf16, float scale, float *s0, float *s1, const ahead_lines *ahead);
+                            int64_t dim, int fmt, float scale, float *s0, float *s1, const ahead_lines *ahead);
 
 /* acc[i * dim + d] += p[i * 16 + l] * v_l[d] for l = first..end-1 ascending (fused multiply-adds, each d
    on its own), n (1..MAX_SHARED_ROWS) rows sharing the value loads of one block at `offset` (n = 1: p is
-   the row's weights, any number of keys). attention_tile.c. */
+   the row's weights, any number of keys). fmt KV_Q8 (slices read in place): n <= MAX_SHARED_ROWS / 2 only.
+   attention_tile.c. */
 void detinf_rows_values16(int n, const float *p, const void *v_cache, int64_t offset, int64_t first,
-                          int64_t end, int64_t dim, int bf16, float *acc);
+                          int64_t end, int64_t dim, int fmt, float *acc);
 
 /* The work item a thread likely computes after the current one: its sequence's block table (NULL: none), its KV
    head and how many blocks its rows see (detinf_attend_tile16 asks for its first key blocks). */

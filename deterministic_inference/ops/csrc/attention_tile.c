@@ -24,15 +24,15 @@
 
 /* Scores of n rows (literal 1..MAX_SHARED_ROWS) against one 16-key block, the rows' queries
    interleaved (qt[d * n + i] = q_i[d]) and their scores one after another (scores[i * 16 + l]): one base
-   pointer each, so the n broadcasts and stores need no registers of their own. bf16 is a literal too,
-   so the inner loop has no branch. */
-INLINE void scores_n(int n, int bf16, const float *qt, const void *keys_t, int64_t offset, int64_t dim,
+   pointer each, so the n broadcasts and stores need no registers of their own. The cache format fmt is a
+   literal too, so the inner loop has no branch. */
+INLINE void scores_n(int n, int fmt, const float *qt, const void *keys_t, int64_t offset, int64_t dim,
                      float scale, float *scores) {
     f32x16 lanes[MAX_SHARED_ROWS];
 #pragma GCC unroll 12
     for (int i = 0; i < n; i++) lanes[i] = (f32x16){0};
     for (int64_t d = 0; d < dim; d++) {
-        const f32x16 k = load16(keys_t, offset + d * 16, bf16);
+        const f32x16 k = key16(fmt, keys_t, offset, d, dim);
 #pragma GCC unroll 12
         for (int i = 0; i < n; i++) lanes[i] = fma16(qt[d * n + i], k, lanes[i]);
     }
@@ -49,7 +49,7 @@ INLINE void scores_n(int n, int bf16, const float *qt, const void *keys_t, int64
    one block wait on the FMA latency (decode: 3 rows); two blocks put 2 n chains in flight. A chunk of
    more rows goes in two halves, each against both blocks: half the query broadcasts per FMA of the whole
    chunk against one block. Each key's score is the same sequence as scores_n's: the same bits. */
-INLINE void scores2_n(int n, int bf16, const float *qt, int64_t qstride, const void *keys_t, int64_t o0, int64_t o1,
+INLINE void scores2_n(int n, int fmt, const float *qt, int64_t qstride, const void *keys_t, int64_t o0, int64_t o1,
                       int64_t dim, float scale, float *s0, float *s1, const ahead_lines *ahead) {
     f32x16 lanes[2][MAX_SHARED_ROWS / 2];
 #pragma GCC unroll 6
@@ -59,7 +59,7 @@ INLINE void scores2_n(int n, int bf16, const float *qt, int64_t qstride, const v
             if (ahead->at[0]) __builtin_prefetch(ahead->at[0] + 64 * d, 0, 2);
             if (ahead->at[1]) __builtin_prefetch(ahead->at[1] + 64 * d, 0, 2);
         }
-        const f32x16 k0 = load16(keys_t, o0 + d * 16, bf16), k1 = load16(keys_t, o1 + d * 16, bf16);
+        const f32x16 k0 = key16(fmt, keys_t, o0, d, dim), k1 = key16(fmt, keys_t, o1, d, dim);
 #pragma GCC unroll 6
         for (int i = 0; i < n; i++) {
             lanes[0][i] = fma16(qt[d * qstride + i], k0, lanes[0][i]);
@@ -79,7 +79,7 @@ INLINE void scores2_n(int n, int bf16, const float *qt, int64_t qstride, const v
    sum is a chain of dependent fused multiply-adds (one per key), so with few rows one slice at a time
    waits on the FMA latency; n * per chains in flight keep the FMA units busy. Each (row, dim) still adds
    its keys ascending: the same bits for any `per`. */
-INLINE void values_n(int n, int per, int bf16, const float *p, const void *v_cache, int64_t offset, int64_t first,
+INLINE void values_n(int n, int per, int fmt, const float *p, const void *v_cache, int64_t offset, int64_t first,
                      int64_t end, int64_t dim, float *acc) {
     for (int64_t d = 0; d < dim; d += 16 * per) {
         f32x16 sums[MAX_SHARED_ROWS]; /* sums[i * per + c]: row i, dims d + 16 c .. */
@@ -90,7 +90,7 @@ INLINE void values_n(int n, int per, int bf16, const float *p, const void *v_cac
             for (int64_t l = 0; l < 16; l++) {
 #pragma GCC unroll 4
                 for (int c = 0; c < per; c++) {
-                    const f32x16 v = load16(v_cache, offset + l * dim + d + 16 * c, bf16);
+                    const f32x16 v = value16(fmt, v_cache, offset, l, d + 16 * c, dim);
 #pragma GCC unroll 12
                     for (int i = 0; i < n; i++) sums[i * per + c] = fma16(p[i * 16 + l], v, sums[i * per + c]);
                 }
@@ -99,7 +99,7 @@ INLINE void values_n(int n, int per, int bf16, const float *p, const void *v_cac
             for (int64_t l = first; l < end; l++) {
 #pragma GCC unroll 4
                 for (int c = 0; c < per; c++) {
-                    const f32x16 v = load16(v_cache, offset + l * dim + d + 16 * c, bf16);
+                    const f32x16 v = value16(fmt, v_cache, offset, l, d + 16 * c, dim);
 #pragma GCC unroll 12
                     for (int i = 0; i < n; i++) sums[i * per + c] = fma16(p[i * 16 + l], v, sums[i * per + c]);
                 }
@@ -111,43 +111,48 @@ INLINE void values_n(int n, int per, int bf16, const float *p, const void *v_cac
 }
 
 /* values_n with as many slices side by side as the registers hold (n * per <= MAX_SHARED_ROWS) and dim
-   allows; n and bf16 literal, so only the branches that fit are compiled. More than half the rows: two
+   allows; n and fmt literal, so only the branches that fit are compiled. More than half the rows: two
    halves of two slices each, one after the other. Each value load then serves half as many rows, but
    each broadcast weight two slices: on Zen 5 (two 512-bit FMA pipes) 12 rows x 1 slice ran at 167 and
    two halves at 184-207 GFLOP/s (one thread, a 6k context's block slices in L2). */
-INLINE void values_wide(int n, int bf16, const float *p, const void *v_cache, int64_t offset, int64_t first,
+INLINE void values_wide(int n, int fmt, const float *p, const void *v_cache, int64_t offset, int64_t first,
                         int64_t end, int64_t dim, float *acc) {
     if (REGROUP && 2 * n > MAX_SHARED_ROWS && dim % 32 == 0) {
         const int half = n / 2;
-        values_n(half, 2, bf16, p, v_cache, offset, first, end, dim, acc);
-        values_n(n - half, 2, bf16, p + half * 16, v_cache, offset, first, end, dim, acc + half * dim);
-    } else if (4 * n <= MAX_SHARED_ROWS && dim % 64 == 0) values_n(n, 4, bf16, p, v_cache, offset, first, end, dim, acc);
-    else if (2 * n <= MAX_SHARED_ROWS && dim % 32 == 0) values_n(n, 2, bf16, p, v_cache, offset, first, end, dim, acc);
-    else values_n(n, 1, bf16, p, v_cache, offset, first, end, dim, acc);
+        values_n(half, 2, fmt, p, v_cache, offset, first, end, dim, acc);
+        values_n(n - half, 2, fmt, p + half * 16, v_cache, offset, first, end, dim, acc + half * dim);
+    } else if (4 * n <= MAX_SHARED_ROWS && dim % 64 == 0) values_n(n, 4, fmt, p, v_cache, offset, first, end, dim, acc);
+    else if (2 * n <= MAX_SHARED_ROWS && dim % 32 == 0) values_n(n, 2, fmt, p, v_cache, offset, first, end, dim, acc);
+    else values_n(n, 1, fmt, p, v_cache, offset, first, end, dim, acc);
 }
 
-#define SCORES_CASE(N)                                                       \
-    case N:                                                                  \
-        if (bf16) scores_n(N, 1, qt, keys_t, offset, dim, scale, scores);    \
-        else scores_n(N, 0, qt, keys_t, offset, dim, scale, scores);         \
+#define SCORES_CASE(N)                                                              \
+    case N:                                                                         \
+        if (fmt == KV_BF16) scores_n(N, KV_BF16, qt, keys_t, offset, dim, scale, scores); \
+        else scores_n(N, KV_F32, qt, keys_t, offset, dim, scale, scores);           \
         break;
 /* the query stride literal where it is N (a whole chunk: decode); halves of a chunk pass it (a literal 2 N
    for even chunks measured the same at 2k and 6k) */
-#define SCORES2_STRIDE(N, QS)                                                         \
-    if (bf16) scores2_n(N, 1, qt, QS, keys_t, o0, o1, dim, scale, s0, s1, ahead);     \
-    else scores2_n(N, 0, qt, QS, keys_t, o0, o1, dim, scale, s0, s1, ahead);
-#define SCORES2_CASE(N)                                                               \
-    case N:                                                                           \
-        if (!REGROUP || qstride == N) {                                               \
-            SCORES2_STRIDE(N, N)                                                      \
-        } else {                                                                      \
-            SCORES2_STRIDE(N, qstride)                                                \
-        }                                                                             \
+#define SCORES2_STRIDE(N, QS)                                                               \
+    if (fmt == KV_BF16) scores2_n(N, KV_BF16, qt, QS, keys_t, o0, o1, dim, scale, s0, s1, ahead);  \
+    else scores2_n(N, KV_F32, qt, QS, keys_t, o0, o1, dim, scale, s0, s1, ahead);
+#define SCORES2_CASE(N)                                                                     \
+    case N:                                                                                 \
+        if (fmt == KV_Q8) scores2_n(N, KV_Q8, qt, N, keys_t, o0, o1, dim, scale, s0, s1, ahead); \
+        else if (!REGROUP || qstride == N) {                                                \
+            SCORES2_STRIDE(N, N)                                                            \
+        } else {                                                                            \
+            SCORES2_STRIDE(N, qstride)                                                      \
+        }                                                                                   \
         break;
-#define VALUES_CASE(N)                                                       \
-    case N:                                                                  \
-        if (bf16) values_wide(N, 1, p, v_cache, offset, first, end, dim, acc); \
-        else values_wide(N, 0, p, v_cache, offset, first, end, dim, acc);      \
+#define VALUES_CASE(N)                                                                 \
+    case N:                                                                            \
+        if (fmt == KV_BF16) values_wide(N, KV_BF16, p, v_cache, offset, first, end, dim, acc); \
+        else values_wide(N, KV_F32, p, v_cache, offset, first, end, dim, acc);         \
+        break;
+#define VALUES_Q8_CASE(N)                                                              \
+    case N:                                                                            \
+        values_wide(N, KV_Q8, p, v_cache, offset, first, end, dim, acc);               \
         break;
 /* One case per row count 1..MAX_SHARED_ROWS (12 or 6, attention.h), and 1..MAX_SHARED_ROWS / 2 for the
    two-block scores. */
@@ -164,7 +169,7 @@ INLINE void values_wide(int n, int bf16, const float *p, const void *v_cache, in
 #endif
 
 __attribute__((visibility("hidden"))) void detinf_rows_scores16(int n, const float *qt, const void *keys_t,
-                                                                int64_t offset, int64_t dim, int bf16, float scale,
+                                                                int64_t offset, int64_t dim, int fmt, float scale,
                                                                 float *scores) {
     switch (n) {
         CASES_ALL_ROWS(SCORES_CASE)
@@ -174,7 +179,7 @@ __attribute__((visibility("hidden"))) void detinf_rows_scores16(int n, const flo
 
 __attribute__((visibility("hidden"))) void detinf_rows_scores16x2(int n, const float *qt, int64_t qstride,
                                                                   const void *keys_t, int64_t o0, int64_t o1,
-                                                                  int64_t dim, int bf16, float scale, float *s0,
+                                                                  int64_t dim, int fmt, float scale, float *s0,
                                                                   float *s1, const ahead_lines *ahead) {
     switch (n) {
         CASES_HALF_ROWS(SCORES2_CASE)
@@ -184,7 +189,14 @@ __attribute__((visibility("hidden"))) void detinf_rows_scores16x2(int n, const f
 
 __attribute__((visibility("hidden"))) void detinf_rows_values16(int n, const float *p, const void *v_cache,
                                                                 int64_t offset, int64_t first, int64_t end,
-                                                                int64_t dim, int bf16, float *acc) {
+                                                                int64_t dim, int fmt, float *acc) {
+    if (fmt == KV_Q8) {
+        switch (n) {
+            CASES_HALF_ROWS(VALUES_Q8_CASE)
+        default: break;
+        }
+        return;
+    }
     switch (n) {
         CASES_ALL_ROWS(VALUES_CASE)
     default: break;
@@ -297,7 +309,7 @@ static void chunk_scores(const attention_args *a, kv_slice keys_b, int64_t b, ch
                          const workspace *w) {
     const int64_t dim = a->head_dim, n = c.count;
     float *scores = w->scores + c.scratch * stride + b * n * 16;
-    detinf_rows_scores16((int)n, w->tile + c.scratch * dim, keys_b.base, keys_b.offset, dim, keys_b.bf16,
+    detinf_rows_scores16((int)n, w->tile + c.scratch * dim, keys_b.base, keys_b.offset, dim, keys_b.fmt,
                          a->scale, scores);
 }
 
@@ -310,7 +322,7 @@ static void chunk_scores2(const attention_args *a, kv_slice keys_b, int64_t next
     const float *qt = w->tile + c.scratch * dim;
     for (int64_t first = 0; first < n; first += half) {
         const int64_t rows = n - first < half ? n - first : half;
-        detinf_rows_scores16x2((int)rows, qt + first, n, keys_b.base, keys_b.offset, next, dim, keys_b.bf16,
+        detinf_rows_scores16x2((int)rows, qt + first, n, keys_b.base, keys_b.offset, next, dim, keys_b.fmt,
                                a->scale, scores + first * 16, scores + (n + first) * 16, first == 0 ? ahead : NULL);
     }
 }
@@ -324,14 +336,14 @@ static void chunk_values(const attention_args *a, kv_slice values_b, int64_t b, 
     const float *p = w->scores + c.scratch * stride + b * n * 16;
     float *acc = w->acc + c.scratch * dim;
     if ((b + 1) * 16 <= min_keys) {
-        detinf_rows_values16((int)n, p, values_b.base, values_b.offset, 0, 16, dim, values_b.bf16, acc);
+        detinf_rows_values16((int)n, p, values_b.base, values_b.offset, 0, 16, dim, values_b.fmt, acc);
         return;
     }
     for (int64_t i = 0; i < n; i++) {
         const int64_t left = keys[(c.first + i) % per_kvh / group] - b * 16;
         if (left > 0)
             detinf_rows_values16(1, p + i * 16, values_b.base, values_b.offset, 0, left < 16 ? left : 16, dim,
-                                 values_b.bf16, acc + i * dim);
+                                 values_b.fmt, acc + i * dim);
     }
 }
 
@@ -365,13 +377,17 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
     /* two blocks at a time: one chunk of few rows (decode: a token's query heads of the KV head) on every
        build, and any chunks (prefill, in halves) where REGROUP */
     const int paired = REGROUP || (per_head == 1 && per_kvh <= MAX_SHARED_ROWS / 2);
+    /* decode over a q8_0 cache (one chunk of a few rows): blocks read in place, dequantized in registers
+       (prefill chunks share each dequantized scratch slice between more rows) */
+    const int in_place = a->q8 && per_head == 1 && per_kvh <= MAX_SHARED_ROWS / 2;
     for (int64_t b = 0; b < num_blocks;) { /* every chunk while the blocks are in L1 */
-        const kv_slice keys_b = read_slice(a, table[b], kvh, 0, w->slices);
         if (paired && b + 1 < num_blocks) {
             const ahead_lines ahead = key_pass_lines(a, table, num_blocks, b, kvh);
             /* the second block, from the same base: the cache, or for q8_0 the workspace's second slice */
-            int64_t next = slice_offset(a, table[b + 1], kvh);
-            if (a->q8) {
+            const kv_slice keys_b = in_place ? cached_slice(a, table[b], kvh, 0)
+                                             : read_slice(a, table[b], kvh, 0, w->slices);
+            int64_t next = in_place ? cached_slice(a, table[b + 1], kvh, 0).offset : slice_offset(a, table[b + 1], kvh);
+            if (a->q8 && !in_place) {
                 read_slice(a, table[b + 1], kvh, 0, w->slices + 16 * dim);
                 next = 16 * dim;
             }
@@ -381,6 +397,7 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
             b += 2;
             continue;
         }
+        const kv_slice keys_b = read_slice(a, table[b], kvh, 0, w->slices);
         prefetch_whole(a, key_pass_ahead(a, table, num_blocks, b, kvh)); /* unpaired: all at once */
         for (int64_t index = first_chunk; index < end_chunk; index++)
             chunk_scores(a, keys_b, b, nth_chunk(per_kvh, index), stride, w);
@@ -398,7 +415,8 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
         if (b + LOOKAHEAD_BLOCKS < num_blocks) prefetch_slice(a, table[b + LOOKAHEAD_BLOCKS], kvh, 1);
         else if (next->table && b + LOOKAHEAD_BLOCKS - num_blocks < next->blocks)
             prefetch_slice(a, next->table[b + LOOKAHEAD_BLOCKS - num_blocks], next->kvh, 0);
-        const kv_slice values_b = read_slice(a, table[b], kvh, 1, w->slices);
+        const kv_slice values_b =
+            in_place ? cached_slice(a, table[b], kvh, 1) : read_slice(a, table[b], kvh, 1, w->slices);
         for (int64_t index = first_chunk; index < end_chunk; index++)
             chunk_values(a, values_b, b, tokens, nth_chunk(per_kvh, index), keys, min_keys, stride, w);
     }

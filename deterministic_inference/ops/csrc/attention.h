@@ -237,7 +237,8 @@ __attribute__((noinline)) static float exp_and_sum(float *scores, int64_t keys, 
 /* The caches of one layer hold blocks of `block` slots (slot = block_id * block + offset):
      keys   [num_blocks, KVH, D, block]   a head's keys transposed inside a block (key index fastest)
      values [num_blocks, KVH, block, D]
-   (a q8_0 cache: kv_q8.h's int8 layouts, dequantized a block slice at a time by read_slice.)
+   (a q8_0 cache: kv_q8.h's int8 layouts, dequantized a block slice at a time by read_slice, or value by
+   value in registers by key16 / value16 on the 16-key kernels' decode path.)
    Row r is query token r (row r of q and out); it sees keys row_first[r]..row_keys[r]-1 (row_first NULL:
    from key 0; a sliding window otherwise) of the sequence whose block table starts at
    block_ids[row_table[r]]. q, out: [T, H, D] fp32. */
@@ -246,7 +247,7 @@ typedef struct {
     const void *k_cache;
     const void *v_cache;
     int bf16; /* the cache is bf16 (else fp32, or q8_0 when q8) */
-    int q8;   /* the cache is q8_0 (kv_q8.h): slices are read dequantized into the workspace */
+    int q8;   /* the cache is q8_0 (kv_q8.h): read_slice / cached_slice say how its slices are read */
     const int64_t *block_ids;
     const int64_t *row_table;
     const int64_t *row_keys;

@@ -15,8 +15,9 @@
    Dequantize: x'[i] = (float)q[i] * scale, ONE fp32 multiply (int8 -> float is exact). Both are fixed
    sequences of IEEE operations on the token's own values: the cache's bytes and the values the kernels
    compute with are the same on every CPU and for every batch, chunk or thread. The kernels dequantize
-   a block's slice into fp32 scratch and run their fp32 loops over it, so every attention row keeps the
-   order and the bits argument of attention.c. */
+   a block's slice into fp32 scratch and run their fp32 loops over it (decode rows instead dequantize each
+   value in registers as they read it: attention.h's key16 / value16, the same multiply), so every
+   attention row keeps the order and the bits argument of attention.c. */
 
 #ifndef DETINF_KV_Q8_H
 #define DETINF_KV_Q8_H

@@ -90,12 +90,13 @@ INLINE f32x16 load16(const void *base, int64_t index, int bf16) {
 INLINE f32x16 q8_times16(const int8_t *at, f32x16 scale) {
     f32x16 value;
 #if defined(__AVX512F__)
-    const __m512 converted = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)at)));
-    memcpy(&value, &converted, sizeof value);
+    const __m512 product = q8_times16_512(_mm_loadu_si128((const __m128i *)at), (__m512)scale);
+    memcpy(&value, &product, sizeof value);
+    return value;
 #else
     for (int l = 0; l < 16; l++) value[l] = (float)at[l];
-#endif
     return value * scale;
+#endif
 }
 
 /* Keys d of the 16-key slice at `offset` (elements; q8_0: bytes) of a transposed key cache in format fmt

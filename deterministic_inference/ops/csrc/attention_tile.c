@@ -209,11 +209,6 @@ __attribute__((visibility("hidden"))) void detinf_rows_values16(int n, const flo
    block two ahead (keys, then values) into L2 brought it to 17 ms. Prefetches change no value. */
 #define LOOKAHEAD_BLOCKS 2
 
-/* Where KV head kvh's 16 keys (or values) of cache block block_id start, in elements. */
-static inline int64_t slice_offset(const attention_args *a, int64_t block_id, int64_t kvh) {
-    return (block_id * a->kv_heads + kvh) * a->head_dim * 16;
-}
-
 /* Bytes of one KV head's keys (or values) in one cache block, as stored (bf16, fp32 or q8_0) */
 static inline int64_t slice_bytes(const attention_args *a) {
     return a->q8 ? q8_row_bytes(a->head_dim) * 16 : a->head_dim * 16 * (a->bf16 ? 2 : 4);
@@ -386,7 +381,7 @@ __attribute__((visibility("hidden"))) void detinf_attend_tile16(const attention_
             /* the second block, from the same base: the cache, or for q8_0 the workspace's second slice */
             const kv_slice keys_b = in_place ? cached_slice(a, table[b], kvh, 0)
                                              : read_slice(a, table[b], kvh, 0, w->slices);
-            int64_t next = in_place ? cached_slice(a, table[b + 1], kvh, 0).offset : slice_offset(a, table[b + 1], kvh);
+            int64_t next = cached_slice(a, table[b + 1], kvh, 0).offset;
             if (a->q8 && !in_place) {
                 read_slice(a, table[b + 1], kvh, 0, w->slices + 16 * dim);
                 next = 16 * dim;

@@ -26,6 +26,14 @@
 
 #define Q8_GROUP 32
 
+#if defined(__AVX512F__)
+/* 16 int8 values as fp32 (exact), each times its lane's scale: the dequantization, one fp32 multiply a value
+   (the slices below, and attention.h's in-register reads) */
+static inline __m512 q8_times16_512(__m128i bytes, __m512 scale) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), scale);
+}
+#endif
+
 /* Cache dtype codes of the attention and cache-write kernels (ops/native.py). */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_Q8 = 2 };
 
@@ -84,9 +92,9 @@ static inline void q8_keys_slice(const int8_t *cache, int64_t slice, int64_t dim
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
         for (int64_t l = 0; l < block; l += 16) { /* the last run of a block under a mask */
             const __mmask16 lanes = lane_mask16(block - l);
-            const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(lanes, q + l)));
             const __m512 scale = _mm512_maskz_loadu_ps(lanes, group + 4 * l);
-            _mm512_mask_storeu_ps(out + d * block + l, lanes, _mm512_mul_ps(values, scale));
+            const __m128i bytes = _mm_maskz_loadu_epi8(lanes, q + l);
+            _mm512_mask_storeu_ps(out + d * block + l, lanes, q8_times16_512(bytes, scale));
         }
 #else
         for (int64_t l = 0; l < block; l++) {
@@ -113,8 +121,7 @@ static inline void q8_values_slice(const int8_t *cache, int64_t slice, int64_t d
             const __m512 scales = _mm512_set1_ps(scale);
             for (int half = 0; half < 2; half++) {
                 const __m128i bytes = _mm_loadu_si128((const __m128i *)(q + 16 * half));
-                const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-                _mm512_storeu_ps(group_out + 16 * half, _mm512_mul_ps(values, scales));
+                _mm512_storeu_ps(group_out + 16 * half, q8_times16_512(bytes, scales));
             }
 #else
             for (int64_t i = 0; i < Q8_GROUP; i++) group_out[i] = (float)q[i] * scale;
